@@ -1,0 +1,132 @@
+"""``pipetrain.train``: validate, start the workers (or join torchrun), gather the trained model."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from pipetrain.layers import LayeredModel, check_boundaries
+from pipetrain.runtime.job import JobConfig, describe, run_rank
+from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
+from pipetrain.schedule import SCHEDULES
+
+
+@dataclass
+class TrainResult:
+    """What a run gives back.
+
+    Attributes:
+        model: the trained full model, gathered from all stages, same structure as the input model.
+        history: one record per optimizer step of the output stage: ``step``, ``epoch``, ``loss``,
+            ``samples`` and ``samples_per_s`` (those samples over the time since the previous step),
+            ``time`` (the output stage's perf_counter).
+        samples_per_s: samples trained per second over the whole run, measured at the output stage.
+        traces: per rank, ``(action, start, end)`` records when ``trace=True`` (perf_counter seconds).
+    """
+
+    model: nn.Module
+    history: list[dict[str, Any]]
+    samples_per_s: float
+    traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
+
+
+def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
+          optimizer: Callable[..., torch.optim.Optimizer], stages: Sequence[int],
+          schedule: str = "pipedream", vertical_sync: bool = False, batch_size: int = 32,
+          microbatches: int = 1, epochs: int = 1, shuffle: bool = True, seed: int = 0,
+          checkpoint_dir: str | os.PathLike | None = None, resume: bool = False, timeout: float = 300.0,
+          threads: int | None = None, trace: bool = False, progress: bool = False) -> TrainResult:
+    """Train ``model`` on ``dataset`` as a pipeline, one worker process per stage.
+
+    Args:
+        model: an ``nn.Sequential`` or a ``torch.fx``-traceable module.
+        dataset: a map-style dataset of ``(input, target)`` pairs.
+        loss_fn: ``loss_fn(output, target)`` of a minibatch; mean-reduced for microbatching.
+        optimizer: a factory taking parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
+        stages: the first layer index of each stage.
+        schedule: ``pipedream``, ``naive``, ``gpipe``, ``1f1b-flush`` or ``model-parallel``.
+        vertical_sync: with ``pipedream``, every stage uses the input stage's weight version.
+        batch_size: samples per minibatch (one optimizer update).
+        microbatches: slices per minibatch for ``gpipe`` and ``1f1b-flush``.
+        epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
+            is items [t*B, (t+1)*B).
+        checkpoint_dir: where each stage saves itself after every epoch; ``resume=True`` restarts
+            from the newest epoch all stages completed.
+        timeout: seconds a worker waits on a silent peer before failing.
+        threads: torch threads per worker (default: cores / workers).
+        trace: record each action's start and end on every worker.
+        progress: show a progress bar.
+
+    Raises:
+        ValueError: bad arguments (one line says which and what to do).
+        PipetrainError: a worker failed; the message names it.
+    """
+    layers = LayeredModel(model)
+    boundaries = [int(b) for b in stages]
+    check_boundaries(boundaries, len(layers))
+    replicas = [1] * len(boundaries)
+    world = sum(replicas)
+    _check_args(schedule, vertical_sync, batch_size, microbatches, epochs, len(dataset),  # type: ignore[arg-type]
+                math.lcm(*replicas), checkpoint_dir, resume)
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
+        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} workers but stages={boundaries} "
+                         f"needs {world}; launch with --nproc-per-node/--nnodes giving {world} in all")
+    if threads is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else world
+        threads = max(1, (os.cpu_count() or 1) // local)
+    cfg = JobConfig(model, dataset, loss_fn, optimizer, boundaries, replicas, schedule, vertical_sync,
+                    batch_size, microbatches, epochs, shuffle, seed,
+                    None if checkpoint_dir is None else str(checkpoint_dir), resume, timeout, threads,
+                    trace, progress)
+    if under_torchrun():
+        parts = run_rank(cfg)["parts"]
+    else:
+        parts = spawn(run_rank, world, (cfg,), describe=describe(replicas))
+    return _gather(model, parts)
+
+
+def _check_args(schedule: str, vertical_sync: bool, batch_size: int, microbatches: int, epochs: int,
+                n_items: int, lcm: int, checkpoint_dir: Any, resume: bool) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if vertical_sync and schedule != "pipedream":
+        raise ValueError(f"vertical_sync applies to the 'pipedream' schedule, not {schedule!r}")
+    if batch_size < 1 or microbatches < 1 or epochs < 1:
+        raise ValueError(f"batch_size, microbatches and epochs must be >= 1 (got {batch_size}, "
+                         f"{microbatches}, {epochs})")
+    if batch_size % microbatches:
+        raise ValueError(f"batch_size {batch_size} is not divisible by microbatches {microbatches}; "
+                         "pick a batch size that splits evenly")
+    if microbatches > 1 and schedule not in ("gpipe", "1f1b-flush"):
+        raise ValueError(f"schedule {schedule!r} does not split minibatches; use microbatches=1 or "
+                         "'gpipe' / '1f1b-flush'")
+    if n_items < batch_size * lcm:
+        raise ValueError(f"the dataset has {n_items} items, fewer than one round of minibatches "
+                         f"({batch_size * lcm}); use a smaller batch_size")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir (where the stages saved themselves)")
+
+
+def _gather(model: nn.Module, parts: list[dict[str, Any]]) -> TrainResult:
+    state: dict[str, torch.Tensor] = {}
+    for part in parts:
+        state.update(part["state"])
+    full = copy.deepcopy(model)
+    missing = set(full.state_dict()) - set(state)
+    if missing:
+        raise PipetrainError(f"no stage returned {sorted(missing)[:3]}; those tensors are not used in "
+                             "forward, so no stage owns them")
+    full.load_state_dict(state)
+    history = sorted((h for part in parts for h in part["history"]), key=lambda h: h["step"])
+    speed = 0.0
+    if len(history) > 1 and history[-1]["time"] > history[0]["time"]:
+        # history times are one process's clock: the output stage's (one replica of it)
+        speed = sum(h["samples"] for h in history[1:]) / (history[-1]["time"] - history[0]["time"])
+    return TrainResult(full, history, speed, [part["trace"] for part in parts])

@@ -1,0 +1,1 @@
+"""The runtime: transport, workers, weight versions, checkpoints and process launch."""

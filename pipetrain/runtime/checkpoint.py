@@ -1,0 +1,66 @@
+"""Per-stage checkpoints (PipeDream §4): each worker saves its own state after the last backward of
+an epoch, with no global barrier; a resumed job restarts every worker from the newest epoch that all
+workers completed.
+
+Files are ``DIR/w{rank}-epoch{e}.pt``, written to a temporary name and renamed, so a crash never leaves
+a half-written checkpoint. Each worker keeps its two newest epochs: a worker can be at most one epoch
+ahead of another, so the newest common epoch is always on disk.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KEEP = 2
+_NAME = re.compile(r"^w(\d+)-epoch(\d+)\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the job being resumed."""
+
+
+def path(directory: str | os.PathLike, rank: int, epoch: int) -> Path:
+    return Path(directory) / f"w{rank}-epoch{epoch}.pt"
+
+
+def save(directory: str | os.PathLike, rank: int, epoch: int, state: dict[str, Any]) -> None:
+    """Write ``state`` for (rank, epoch) atomically, then drop this worker's older epochs beyond KEEP."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    final = path(directory, rank, epoch)
+    tmp = final.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, final)
+    for old in sorted(epochs_saved(directory).get(rank, []))[:-KEEP]:
+        path(directory, rank, old).unlink(missing_ok=True)
+
+
+def epochs_saved(directory: str | os.PathLike) -> dict[int, list[int]]:
+    """rank -> the epochs it has checkpoints for."""
+    found: dict[int, list[int]] = {}
+    if Path(directory).is_dir():
+        for f in Path(directory).iterdir():
+            m = _NAME.match(f.name)
+            if m:
+                found.setdefault(int(m.group(1)), []).append(int(m.group(2)))
+    return found
+
+
+def latest_common_epoch(directory: str | os.PathLike, world_size: int) -> int | None:
+    """The newest epoch every one of ``world_size`` workers saved, or None."""
+    saved = epochs_saved(directory)
+    common = set.intersection(*(set(saved.get(r, [])) for r in range(world_size)))
+    return max(common) if common else None
+
+
+def load(directory: str | os.PathLike, rank: int, epoch: int, layers: tuple[int, int]) -> dict[str, Any]:
+    """Load (rank, epoch) with ``weights_only=True``; check it holds the same layer range."""
+    state = torch.load(path(directory, rank, epoch), map_location="cpu", weights_only=True)
+    if tuple(state["layers"]) != tuple(layers):
+        raise CheckpointError(f"{path(directory, rank, epoch)} holds layers {tuple(state['layers'])} but this job "
+                              f"puts layers {layers} on rank {rank}; resume with the same stages or use a new "
+                              "checkpoint directory")
+    return state

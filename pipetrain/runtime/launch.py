@@ -1,0 +1,94 @@
+"""Start local worker processes, or run as one rank under torchrun.
+
+Locally, workers are spawned (not forked: torch's thread pools do not survive a fork), so arguments
+must pickle; objects defined at module level of the caller's script do. When one worker fails, the
+others are stopped at once and the first failure's one-line message is raised in the caller.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class PipetrainError(RuntimeError):
+    """A job failed; the message says which worker and why."""
+
+
+def under_torchrun() -> bool:
+    """True when launched by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, workdir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1")
+    code = 0
+    try:
+        torch.save(fn(*args), Path(workdir) / f"result{rank}.pt")
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, then the process ends
+        msg = f"{type(e).__name__}: {e}" if not isinstance(e, PipetrainError) else str(e)
+        (Path(workdir) / f"error{rank}.txt").write_text(msg.strip().splitlines()[0] + "\n" + traceback.format_exc())
+        code = 1
+    # [Note: hard exit] communication threads may sit in a blocking recv on a dead peer; a normal
+    # interpreter exit would wait on process-group teardown, so leave without it.
+    os._exit(code)
+
+
+def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[int], str] = "rank {}".format,
+          poll_s: float = 0.05) -> list[Any]:
+    """Run ``fn(*args)`` in ``world`` processes with RANK/WORLD_SIZE set; return each rank's result.
+
+    Results travel through ``torch.save``/``torch.load(weights_only=True)``: plain data and tensors.
+
+    Raises:
+        PipetrainError: a worker raised (its first line is the message) or died.
+    """
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
+        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, fn, args), daemon=False)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            while any(p.exitcode is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    raise PipetrainError(_failure(workdir, failed, procs, describe))
+                time.sleep(poll_s)
+            failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+            if failed:
+                raise PipetrainError(_failure(workdir, failed, procs, describe))
+            return [torch.load(Path(workdir) / f"result{r}.pt", weights_only=True) for r in range(world)]
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+            for p in procs:
+                p.join(10)
+
+
+def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[int], str]) -> str:
+    """The message of the most telling failure: a worker's own error beats a neighbour's complaint."""
+    messages = {}
+    for r in failed:
+        f = Path(workdir) / f"error{r}.txt"
+        messages[r] = f.read_text().splitlines()[0] if f.exists() else \
+            f"{describe(r)} died with exit code {procs[r].exitcode}"
+    own = [r for r in failed if "went silent" not in messages[r]]
+    return messages[(own or failed)[0]]

@@ -1,0 +1,117 @@
+"""Which weights a minibatch's forward and backward use (PipeDream §3.4).
+
+A stage's *live* parameters are the ones the optimizer updates. A policy hands the forward of each
+minibatch a dict of weights to run with (via ``torch.func.functional_call``) and, after its backward,
+puts the gradient on the live parameters' ``.grad`` for the optimizer.
+
+* ``Live`` (flush schedules): nothing is in flight across an update, so the live weights are used.
+* ``Stashing`` (``pipedream``): the forward uses the newest version; the version is stashed for that
+  minibatch's backward. Minibatches admitted between two updates share one stashed copy, so a stage
+  holds at most one version per minibatch in flight, and usually fewer.
+* ``VerticalSync``: every stage runs minibatch t with the version the input stage used for t, carried
+  in the message header; a stage keeps the versions that later minibatches may still ask for.
+* ``Naive`` (the ablation): forward with the newest weights, backward with the weights current at
+  backward time (the stage's forward is recomputed on the stashed input with those weights).
+
+Versions are counted in minibatches applied: a straight stage's version is its update count.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+Weights = dict[str, torch.Tensor]
+
+
+class Live:
+    """The live parameters themselves; gradients accumulate on them directly."""
+
+    recompute = False
+
+    def __init__(self, stage: nn.Module) -> None:
+        self.params = dict(stage.named_parameters())
+        self.version = 0
+
+    def forward_weights(self, mb: int, tag: int | None) -> Weights:
+        """Weights for the forward of ``mb``; ``tag`` is the input stage's version (vertical sync)."""
+        return self.params
+
+    def backward_weights(self, mb: int) -> Weights:
+        return self.params
+
+    def after_backward(self, mb: int) -> None:
+        """Move ``mb``'s gradient onto the live parameters and drop what it held."""
+
+    def updated(self, minibatches: int) -> None:
+        """The optimizer just applied ``minibatches`` minibatches' gradients."""
+        self.version += minibatches
+
+    def held_versions(self) -> int:
+        return 1
+
+
+class Stashing(Live):
+    """Weight stashing: the backward of a minibatch uses the weights its forward used."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__(stage)
+        self._stash: dict[int, Weights] = {}
+        self._newest: tuple[int, Weights] | None = None  # (version, copy) shared while unchanged
+
+    def _copy(self) -> Weights:
+        return {k: p.detach().clone().requires_grad_(p.requires_grad) for k, p in self.params.items()}
+
+    def forward_weights(self, mb: int, tag: int | None) -> Weights:
+        if self._newest is None or self._newest[0] != self.version:
+            self._newest = (self.version, self._copy())
+        self._stash[mb] = self._newest[1]
+        return self._stash[mb]
+
+    def backward_weights(self, mb: int) -> Weights:
+        return self._stash[mb]
+
+    def after_backward(self, mb: int) -> None:
+        used = self._stash.pop(mb)
+        for k, p in self.params.items():
+            g = used[k].grad
+            if g is not None:
+                p.grad = g.clone() if p.grad is None else p.grad + g
+            used[k].grad = None
+
+    def held_versions(self) -> int:
+        return len({id(w) for w in self._stash.values()})
+
+
+class VerticalSync(Stashing):
+    """Run minibatch t with the version the input stage used for t, at every stage."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__(stage)
+        self._versions: dict[int, Weights] = {}  # version -> weights; filled from the first forward on
+
+    def updated(self, minibatches: int) -> None:
+        super().updated(minibatches)
+        self._versions[self.version] = self._copy()
+
+    def forward_weights(self, mb: int, tag: int | None) -> Weights:
+        if not self._versions:  # no update can precede a stage's first forward
+            self._versions[self.version] = self._copy()
+        want = self.version if tag is None else tag
+        have = max(v for v in self._versions if v <= want)
+        # later minibatches carry tags >= want: older versions are needed only by stashes
+        for v in [v for v in self._versions if v < have]:
+            del self._versions[v]
+        self._stash[mb] = self._versions[have]
+        return self._stash[mb]
+
+    def held_versions(self) -> int:
+        return len({id(w) for w in [*self._stash.values(), *self._versions.values()]})
+
+
+class Naive(Live):
+    """No stashing: the backward recomputes the forward with whatever weights are current then."""
+
+    recompute = True
+
+
+POLICIES = {"live": Live, "stash": Stashing, "vertical": VerticalSync, "naive": Naive}

@@ -1,0 +1,128 @@
+"""The schedule IR: per-worker ordered lists of actions, with a short text form.
+
+One action list serves the runtime (executes it with real tensors), the validator (checks it is
+deadlock-free), the simulator (executes it with profiled costs) and error messages (prints it).
+
+Text form of one action (minibatch ids are 0-based; ``.k`` names microbatch k):
+
+=======  =================================================================
+``F3``   forward of minibatch 3 (``F3.1``: its microbatch 1)
+``B3``   backward of minibatch 3
+``RF3``  receive minibatch 3's activations from the previous stage
+``SF3``  send minibatch 3's activations to the next stage
+``RB3``  receive minibatch 3's gradients from the next stage
+``SB3``  send minibatch 3's gradients to the previous stage
+``S3``   wait for the gradient sync (replicas' allreduce) of minibatch 3
+``U3``   optimizer step, the last minibatch it includes being 3
+=======  =================================================================
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+FORWARD, BACKWARD = "F", "B"
+RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RF", "SF", "RB", "SB"
+SYNC, UPDATE = "S", "U"
+KINDS = (FORWARD, BACKWARD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, SYNC, UPDATE)
+COMPUTE = (FORWARD, BACKWARD)
+SENDS = {SEND_ACT: RECV_ACT, SEND_GRAD: RECV_GRAD}
+
+_TEXT = re.compile(r"^(RF|SF|RB|SB|F|B|S|U)(\d+)(?:\.(\d+))?$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one worker: ``kind`` of minibatch ``mb`` (microbatch ``micro`` when split)."""
+
+    kind: str
+    mb: int
+    micro: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + ("" if self.micro is None else f".{self.micro}")
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        """Inverse of ``str(action)``: ``Action.parse("F3.1") == Action("F", 3, 1)``."""
+        m = _TEXT.match(text.strip())
+        if not m:
+            raise ValueError(f"cannot parse action {text!r}; expected e.g. F3, B3.1, RF2, U4")
+        kind, mb, micro = m.groups()
+        return Action(kind, int(mb), None if micro is None else int(micro))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every worker does, in order.
+
+    Attributes:
+        name: the schedule generator that made it (``pipedream``, ``gpipe``, ...).
+        replicas: workers per stage; worker ranks are numbered stage by stage.
+        actions: ``actions[w]`` is worker ``w``'s ordered action list.
+        microbatches: microbatches per minibatch (1 when minibatches are not split).
+        noam: minibatches the input stage admits before its first backward.
+    """
+
+    name: str
+    replicas: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    microbatches: int = 1
+    noam: int = 1
+    _stage_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        stage_of = tuple(s for s, r in enumerate(self.replicas) for _ in range(r))
+        object.__setattr__(self, "_stage_of", stage_of)
+        if len(self.actions) != len(stage_of):
+            raise ValueError(f"{len(self.actions)} action lists for {len(stage_of)} workers")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._stage_of)
+
+    def stage_of(self, worker: int) -> int:
+        return self._stage_of[worker]
+
+    def replica_of(self, worker: int) -> int:
+        return worker - self.first_worker(self.stage_of(worker))
+
+    def first_worker(self, stage: int) -> int:
+        return sum(self.replicas[:stage])
+
+    def worker_for(self, stage: int, mb: int) -> int:
+        """The replica of ``stage`` that runs minibatch ``mb``: round robin, mb mod replicas (§3.3)."""
+        return self.first_worker(stage) + mb % self.replicas[stage]
+
+    def peer(self, worker: int, action: Action) -> int | None:
+        """The worker on the other end of a send or receive action, else None."""
+        stage = self.stage_of(worker)
+        if action.kind in (RECV_ACT, SEND_GRAD):
+            return self.worker_for(stage - 1, action.mb)
+        if action.kind in (SEND_ACT, RECV_GRAD):
+            return self.worker_for(stage + 1, action.mb)
+        return None
+
+    def to_text(self) -> str:
+        """One line per worker, e.g. ``w0: F0 SF0 F1 SF1 RB0 B0 U0 ...``; round-trips with from_text."""
+        head = f"# {self.name} replicas={','.join(map(str, self.replicas))} " \
+               f"microbatches={self.microbatches} noam={self.noam}"
+        rows = [f"w{w}: " + " ".join(map(str, acts)) for w, acts in enumerate(self.actions)]
+        return "\n".join([head, *rows])
+
+    @staticmethod
+    def from_text(text: str) -> "Schedule":
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        head = dict(kv.split("=") for kv in lines[0].split()[2:])
+        name = lines[0].split()[1]
+        actions = tuple(tuple(Action.parse(a) for a in ln.split(":", 1)[1].split()) for ln in lines[1:])
+        return Schedule(name, tuple(int(r) for r in head["replicas"].split(",")), actions,
+                        int(head["microbatches"]), int(head["noam"]))
