@@ -158,5 +158,8 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
 def _progress(cfg: JobConfig, rank: int, world: int, total: int):
     if not cfg.progress or rank != world - 1:
         return None
+    import threading
+
     from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks on a hard exit
     return tqdm(total=total, desc="pipetrain", unit="mb", dynamic_ncols=True)

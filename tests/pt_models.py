@@ -1,0 +1,80 @@
+"""Small models and failure-injecting layers for the multi-process tests (module level so they pickle)."""
+import os
+import time
+
+import torch
+from torch import nn
+
+SIZES = [4, 6, 6, 6, 3]  # widths of the 4-stage exactness MLP
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """Linear+Tanh x3, then Linear: 7 layers; stages=[0, 2, 4, 6] puts one Linear on each stage."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(SIZES, SIZES[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(SIZES) - 2:
+            layers.append(nn.Tanh())
+    return nn.Sequential(*layers).double()
+
+
+class Residual(nn.Module):
+    """A branchy fx-traceable model: the cut inside the block carries two tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.inp = nn.Linear(4, 6)
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        y = self.b(torch.tanh(self.a(h)))
+        return self.out(y + h)
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace this
+            return self.lin(x)
+        return -self.lin(x)
+
+
+class DieAt(nn.Module):
+    """Identity that kills its process (as a crash would) on its ``n``-th forward."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.calls = n, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n:
+            os._exit(3)
+        return x
+
+
+class HangAt(nn.Module):
+    """Identity that stops answering (sleeps) on its ``n``-th forward."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.calls = n, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n:
+            time.sleep(3600)
+        return x
+
+
+def nan_loss(output, target):
+    """A loss that has gone bad."""
+    return torch.nn.functional.mse_loss(output, target) * float("nan")

@@ -1,0 +1,83 @@
+"""Bad input gets a one-line error before any process starts; dead or silent peers fail, never hang."""
+import functools
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from pipetrain.data import regression
+from pt_models import DieAt, HangAt, Untraceable, mlp, nan_loss
+
+SGD = functools.partial(torch.optim.SGD, lr=0.05)
+MSE = torch.nn.functional.mse_loss
+
+
+def train(model=None, **kw):
+    args = dict(loss_fn=MSE, optimizer=SGD, stages=[0, 2, 4, 6], batch_size=4, shuffle=False, timeout=30)
+    args.update(kw)
+    return pipetrain.train(model if model is not None else mlp(), regression(48, 4, 3), **args)
+
+
+@pytest.mark.parametrize("stages,match", [
+    ([1, 3], "first stage must start at layer 0"),
+    ([0, 4, 2], "must increase strictly"),
+    ([0, 9], "below the layer count 7"),
+    (list(range(8)), "8 stages but the model has only 7 layers"),
+])
+def test_bad_stage_boundaries(stages, match):
+    with pytest.raises(ValueError, match=match):
+        train(stages=stages)
+
+
+def test_batch_not_divisible_by_microbatches():
+    with pytest.raises(ValueError, match="batch_size 4 is not divisible by microbatches 3"):
+        train(schedule="gpipe", microbatches=3)
+
+
+def test_unknown_schedule_and_misplaced_options():
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        train(schedule="zigzag")
+    with pytest.raises(ValueError, match="vertical_sync applies to the 'pipedream' schedule"):
+        train(schedule="gpipe", vertical_sync=True)
+
+
+def test_world_size_must_match_the_stages(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="torchrun started 3 workers but stages=\\[0, 2, 4, 6\\] needs 4"):
+        train()
+
+
+def test_untraceable_model_says_to_pass_a_sequential():
+    with pytest.raises(pipetrain.LayerError, match="pass an nn.Sequential"):
+        train(model=Untraceable(), stages=[0])
+
+
+def test_non_finite_loss_stops_and_keeps_the_checkpoint(tmp_path):
+    train(checkpoint_dir=tmp_path, epochs=1)
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(pipetrain.PipetrainError, match="loss is nan at epoch 1 minibatch 0.*checkpoint of epoch 0 .* is kept"):
+        train(checkpoint_dir=tmp_path, resume=True, epochs=3, loss_fn=nan_loss)
+    assert sorted(p.name for p in tmp_path.iterdir()) == saved
+
+
+def with_fault(fault: nn.Module) -> nn.Sequential:
+    """The exactness MLP with ``fault`` inserted as layer 2, at the start of stage 1 (rank 1)."""
+    layers = list(mlp())
+    return nn.Sequential(*layers[:2], fault, *layers[2:])
+
+
+def test_dead_peer_is_named():
+    t0 = time.monotonic()
+    with pytest.raises(pipetrain.PipetrainError, match=r"stage 1 \(rank 1\)"):
+        train(model=with_fault(DieAt(3)), stages=[0, 2, 5, 7])
+    assert time.monotonic() - t0 < 30
+
+
+def test_silent_peer_times_out_and_is_named():
+    t0 = time.monotonic()
+    with pytest.raises(pipetrain.PipetrainError, match=r"stage 1 \(rank 1\) went silent: nothing for 3s"):
+        train(model=with_fault(HangAt(3)), stages=[0, 2, 5, 7], timeout=3)
+    assert time.monotonic() - t0 < 30  # and no process is left: spawn() kills them before raising
