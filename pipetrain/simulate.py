@@ -1,0 +1,314 @@
+"""Discrete-event simulator: execute a Schedule's action lists with profiled costs and a link model.
+
+The simulator runs the very action lists the runtime runs, so its timeline has the runtime's trace
+format and :mod:`pipetrain.trace` draws both.
+
+[Note: timing rules] Every worker runs its actions in order, with no gaps:
+
+* ``F``/``B`` last the stage's forward/backward seconds (sum over its layers), divided by the
+  microbatch count for microbatched schedules;
+* a send (``SF``/``SB``) is asynchronous: 0 s on the sender. The transfer is queued FIFO on the
+  (sender -> receiver) link, which carries one transfer at a time, each occupying it for
+  ``latency + bytes / bandwidth``;
+* a receive (``RF``/``RB``) lasts until its message has arrived (its record includes the wait,
+  as the runtime's does);
+* a gradient sync ``S`` lasts until every replica of the stage reached its matching ``S``, plus
+  ``latency + costs.dp_sync_bytes(|w|, m) / bandwidth`` (PipeDream §3.2's parameter-server W^m;
+  the sync does not compete with the pipeline's transfers for the links);
+* ``U`` lasts ``update_s`` (default 0).
+
+Each link has a single sender, which issues transfers in program order, and every other time is a
+max over already known times, so event times do not depend on the order in which workers are
+advanced: the loop runs each worker until it blocks and repeats until all are done.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipetrain.costs import dp_sync_bytes
+from pipetrain.layers import check_boundaries
+from pipetrain.plan.result import Plan, check_fits
+from pipetrain.profile import Profile
+from pipetrain.schedule import Schedule, build_schedule, validate
+from pipetrain.schedule.actions import (
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, SYNC, UPDATE, Action,
+)
+from pipetrain.trace import Record
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a point-to-point link: one transfer at a time, FIFO.
+
+    Attributes:
+        bandwidth_Bps: bytes per second (``math.inf``: free transfers).
+        latency_s: seconds added to every transfer.
+    """
+
+    bandwidth_Bps: float = math.inf
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_Bps > 0 or not self.latency_s >= 0:
+            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self.bandwidth_Bps} B/s, "
+                             f"{self.latency_s} s")
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds one transfer of ``nbytes`` occupies the link (PipeDream §3.2: bytes / bandwidth)."""
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's costs per minibatch, at the simulated batch size.
+
+    Attributes:
+        forward_s, backward_s: sums over the stage's layers.
+        output_bytes: activations sent to the next stage (the last layer's ``activation_bytes``);
+            the gradients sent back across that cut are the same size.
+        stash_bytes: activations kept from forward to backward: the stage's input plus every
+            layer's output (PipeDream §3.5's intermediate state, weights excluded).
+        parameter_bytes: the stage's weights.
+    """
+
+    forward_s: float
+    backward_s: float
+    output_bytes: float
+    stash_bytes: float
+    parameter_bytes: int
+
+
+def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | None = None) -> list[StageCost]:
+    """Per-stage costs of ``profile`` cut at ``boundaries``.
+
+    Args:
+        profile: per-layer costs, measured at ``profile.batch_size``.
+        boundaries: the first layer index of each stage, e.g. ``[0, 3, 7]``.
+        batch_size: samples per minibatch; times and activation bytes are scaled linearly from the
+            profiled batch size (an approximation: small batches use a device less well). A profile
+            that does not state its batch size (0, as PipeDream's graph.txt files) is taken as
+            measured at ``batch_size``.
+
+    Returns:
+        One StageCost per stage.
+
+    Raises:
+        LayerError: boundaries that do not cut the profile's layers into non-empty stages.
+    """
+    check_boundaries(list(boundaries), len(profile))
+    scale = 1.0 if batch_size is None or profile.batch_size == 0 else batch_size / profile.batch_size
+    ends = [*boundaries[1:], len(profile)]
+    costs = []
+    for first, end in zip(boundaries, ends):
+        layers = profile.layers[first:end]
+        inputs = profile.input_bytes if first == 0 else profile.layers[first - 1].activation_bytes
+        costs.append(StageCost(
+            forward_s=scale * sum(x.forward_s for x in layers),
+            backward_s=scale * sum(x.backward_s for x in layers),
+            output_bytes=scale * layers[-1].activation_bytes,
+            stash_bytes=scale * (inputs + sum(x.activation_bytes for x in layers)),
+            parameter_bytes=sum(x.parameter_bytes for x in layers)))
+    return costs
+
+
+@dataclass
+class SimResult:
+    """What a simulation predicts.
+
+    Attributes:
+        minibatches_per_s: steady-state throughput, measured as the runtime measures it: the
+            minibatches of the output stage's optimizer steps after its first, over the time from its
+            first step to its last. With a single step (one minibatch of a flush schedule), all
+            minibatches over the makespan.
+        samples_per_s: ``minibatches_per_s`` times the batch size; None when the batch size is unknown.
+        makespan_s: when the last worker finishes.
+        busy_fraction: per worker, compute (F and B) seconds / makespan.
+        bubble_fraction: 1 - mean busy fraction; for GPipe with equal stages and free communication
+            this is the GPipe paper's (p - 1) / (m + p - 1) (arXiv:1811.06965 §2.2).
+        peak_weight_versions: per worker, the most distinct weight versions held for minibatches
+            in flight (weight stashing, PipeDream §3.4); 1 for schedules that do not stash.
+        peak_activation_bytes: per worker, the most activation bytes stashed for (micro)batches in
+            flight (PipeDream §3.5).
+        trace: per worker, ``(action_text, start_s, end_s)`` records, the runtime's trace format.
+    """
+
+    minibatches_per_s: float
+    samples_per_s: float | None
+    makespan_s: float
+    busy_fraction: list[float]
+    bubble_fraction: float
+    peak_weight_versions: list[int]
+    peak_activation_bytes: list[float]
+    trace: list[list[Record]] = field(repr=False)
+
+    def to_dict(self) -> dict[str, object]:
+        """Every field but the trace, as plain JSON-ready data."""
+        return {"minibatches_per_s": self.minibatches_per_s, "samples_per_s": self.samples_per_s,
+                "makespan_s": self.makespan_s,
+                "busy_fraction": self.busy_fraction, "bubble_fraction": self.bubble_fraction,
+                "peak_weight_versions": self.peak_weight_versions,
+                "peak_activation_bytes": self.peak_activation_bytes}
+
+
+class _Sim:
+    """The mutable state of one simulation; see [Note: timing rules]."""
+
+    def __init__(self, schedule: Schedule, costs: list[StageCost], link: Link, update_s: float) -> None:
+        self.sched, self.costs, self.link, self.update_s = schedule, costs, link, update_s
+        n = schedule.num_workers
+        self.pos, self.clock = [0] * n, [0.0] * n
+        self.trace: list[list[Record]] = [[] for _ in range(n)]
+        self.arrival: dict[tuple[int, str, int, int | None], float] = {}  # (dst, recv kind, mb, micro)
+        self.link_free: dict[tuple[int, int], float] = defaultdict(float)
+        self.sync_reached: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)  # (stage, k) -> w: t
+        self.syncs_done, self.updates = [0] * n, [0] * n
+        self.busy_s = [0.0] * n
+        self.update_end: list[list[float]] = [[] for _ in range(n)]
+        self.versions: list[dict[int, int]] = [{} for _ in range(n)]  # in-flight mb -> version its F saw
+        self.in_flight = [0] * n  # (micro)batches between F and B
+        self.peak_versions, self.peak_in_flight = [1] * n, [0] * n
+        # PipeDream §3.2's W^m: the parameter-server volume over one link; nothing for one replica
+        self.sync_s = [0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r))
+                       for c, r in zip(costs, schedule.replicas)]
+
+    def run(self) -> None:
+        acts = self.sched.actions
+        while any(p < len(a) for p, a in zip(self.pos, acts)):
+            moved = False
+            for w in range(len(acts)):
+                while self.pos[w] < len(acts[w]) and self._step(w, acts[w][self.pos[w]]):
+                    moved = True
+            if not moved:  # validate() rules this out; guard against a simulator bug looping forever
+                raise RuntimeError(f"simulation of {self.sched.name!r} stalled at steps {self.pos}")
+
+    def _step(self, w: int, a: Action) -> bool:
+        """Run ``a`` on worker ``w`` if it can start; False if it waits on another worker."""
+        start = self.clock[w]
+        end = self._end(w, a, start)
+        if end is None:
+            return False
+        self.trace[w].append((str(a), start, end))
+        self.clock[w] = end
+        self.pos[w] += 1
+        self._account(w, a, end - start)
+        return True
+
+    def _end(self, w: int, a: Action, start: float) -> float | None:
+        s, m = self.sched.stage_of(w), self.sched.microbatches
+        if a.kind == FORWARD:
+            return start + self.costs[s].forward_s / m
+        if a.kind == BACKWARD:
+            return start + self.costs[s].backward_s / m
+        if a.kind in SENDS:
+            dst = self.sched.peer(w, a)
+            assert dst is not None
+            cut = s if a.kind == SEND_ACT else s - 1  # gradients cross the cut after the previous stage
+            begin = max(start, self.link_free[(w, dst)])
+            self.link_free[(w, dst)] = begin + self.link.transfer_s(self.costs[cut].output_bytes / m)
+            self.arrival[(dst, SENDS[a.kind], a.mb, a.micro)] = self.link_free[(w, dst)]
+            return start
+        if a.kind in (RECV_ACT, RECV_GRAD):
+            arrived = self.arrival.pop((w, a.kind, a.mb, a.micro), None)
+            return None if arrived is None else max(start, arrived)
+        if a.kind == SYNC:
+            reached = self.sync_reached[(s, self.syncs_done[w])]
+            reached[w] = start
+            if len(reached) < self.sched.replicas[s]:
+                return None
+            return max(reached.values()) + self.sync_s[s]
+        assert a.kind == UPDATE
+        return start + self.update_s
+
+    def _account(self, w: int, a: Action, seconds: float) -> None:
+        """Track busy time, syncs, updates, in-flight minibatches and the weight versions they hold."""
+        if a.kind in (FORWARD, BACKWARD):
+            self.busy_s[w] += seconds
+        if a.kind == SYNC:
+            self.syncs_done[w] += 1
+        elif a.kind == UPDATE:
+            self.updates[w] += 1
+            self.update_end[w].append(self.clock[w])
+        elif a.kind == FORWARD:
+            self.in_flight[w] += 1
+            self.peak_in_flight[w] = max(self.peak_in_flight[w], self.in_flight[w])
+            if a.micro in (None, 0):
+                self.versions[w][a.mb] = self.updates[w]
+                if self.sched.name == "pipedream":  # the only schedule that stashes weights
+                    self.peak_versions[w] = max(self.peak_versions[w], len(set(self.versions[w].values())))
+        elif a.kind == BACKWARD:
+            self.in_flight[w] -= 1
+            if a.micro in (None, self.sched.microbatches - 1):
+                del self.versions[w][a.mb]
+
+
+def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], link: Link = Link(),
+             batch_size: int | None = None, update_s: float = 0.0) -> SimResult:
+    """Predict a schedule's timeline and throughput from a profile and a link model.
+
+    Args:
+        schedule: the action lists to execute (``build_schedule(...)``).
+        profile: per-layer costs.
+        boundaries: the first layer index of each stage; one per stage of ``schedule``.
+        link: every point-to-point link direction, and the link used for gradient syncs.
+        batch_size: samples per minibatch (default: the profile's); costs scale linearly with it
+            (see :func:`stage_costs`).
+        update_s: seconds per optimizer step.
+
+    Returns:
+        The predicted SimResult; see [Note: timing rules] for how each action is timed.
+
+    Raises:
+        ValueError: boundaries that do not fit the schedule or the profile.
+        ScheduleError: a schedule that deadlocks or whose sends and receives do not match.
+    """
+    if len(boundaries) != schedule.num_stages:
+        raise ValueError(f"{len(boundaries)} stage boundaries for a {schedule.num_stages}-stage schedule; "
+                         "give the first layer of every stage")
+    validate(schedule)  # clear errors for a bad schedule before timing it
+    batch = profile.batch_size if batch_size is None else batch_size
+    sim = _Sim(schedule, stage_costs(profile, boundaries, batch_size), link, update_s)
+    sim.run()
+    makespan = max(sim.clock, default=0.0)
+    busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]
+    scale = [c.stash_bytes / schedule.microbatches for c in sim.costs]
+    rate = _minibatches_per_s(schedule, sim.update_end, makespan)
+    return SimResult(
+        minibatches_per_s=rate, samples_per_s=rate * batch if batch > 0 else None,
+        makespan_s=makespan, busy_fraction=busy, bubble_fraction=1.0 - sum(busy) / len(busy),
+        peak_weight_versions=sim.peak_versions,
+        peak_activation_bytes=[p * scale[schedule.stage_of(w)] for w, p in enumerate(sim.peak_in_flight)],
+        trace=sim.trace)
+
+
+def simulate_plan(plan: Plan, profile: Profile, schedule: str = "pipedream", *, minibatches: int,
+                  microbatches: int = 1, link: Link = Link(), batch_size: int | None = None,
+                  update_s: float = 0.0) -> SimResult:
+    """Simulate a partitioner's plan under a named schedule.
+
+    Args:
+        plan: stages and replicas, e.g. from ``Plan.load(path)``.
+        profile: the profile the plan was made from.
+        schedule: a name from ``pipetrain.schedule.SCHEDULES``.
+        minibatches, microbatches: as for ``build_schedule``.
+        link, batch_size, update_s: as for :func:`simulate`.
+
+    Raises:
+        ValueError: a plan for another layer count, or a schedule that cannot run the plan.
+    """
+    check_fits(plan, len(profile), "plan")
+    built = build_schedule(schedule, plan.replicas, minibatches, microbatches)
+    return simulate(built, profile, plan.boundaries, link, batch_size, update_s)
+
+
+def _minibatches_per_s(schedule: Schedule, update_end: list[list[float]], makespan: float) -> float:
+    """Minibatches/s between the output stage's first and last optimizer steps (see SimResult)."""
+    last = schedule.num_stages - 1
+    steps = update_end[schedule.first_worker(last)]
+    if len(steps) >= 2 and steps[-1] > steps[0]:
+        # one step of a replicated stage applies the minibatches of all its replicas
+        return (len(steps) - 1) * schedule.replicas[last] / (steps[-1] - steps[0])
+    minibatches = len({a.mb for acts in schedule.actions for a in acts})
+    return minibatches / makespan if makespan > 0 else math.inf

@@ -1,0 +1,158 @@
+"""Per-worker traces -> a Chrome trace JSON and a PNG timeline (PipeDream Figure 8 style).
+
+A trace is, per worker (rank), a list of ``(action_text, start_s, end_s)`` records: what
+``pipetrain.train(..., trace=True)`` returns in ``result.traces`` (``time.perf_counter`` seconds) and
+what ``pipetrain.simulate.simulate`` predicts in ``SimResult.trace``. The same two functions draw both.
+
+Clocks: ranks on different hosts need not share a clock origin, so by default each rank is shifted
+to start at its own first event (every rank starts with an action at launch: a receive's record
+includes its wait). Pass ``offsets`` (seconds subtracted from rank r) to align them otherwise, e.g.
+the earliest start over all ranks when they ran on one host.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipetrain.schedule.actions import (
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SYNC, UPDATE, Action,
+)
+
+Record = tuple[str, float, float]
+Traces = Sequence[Sequence[Record]]
+
+# kind -> (category, colour, bar height as a fraction of a lane): compute fills the lane; the rest
+# is drawn as a thin bar at the lane's bottom so waits stay visible without hiding the compute.
+_STYLE = {
+    FORWARD: ("forward", "#4c72b0", 0.8),
+    BACKWARD: ("backward", "#55a868", 0.8),
+    RECV_ACT: ("send/receive", "#c8c8c8", 0.12),
+    RECV_GRAD: ("send/receive", "#c8c8c8", 0.12),
+    SEND_ACT: ("send/receive", "#c8c8c8", 0.12),
+    SEND_GRAD: ("send/receive", "#c8c8c8", 0.12),
+    SYNC: ("gradient sync", "#dd8452", 0.25),
+    UPDATE: ("update", "#404040", 0.25),
+}
+
+
+def aligned(traces: Traces, offsets: Sequence[float] | None = None) -> list[list[Record]]:
+    """Shift every rank's times to start near 0.
+
+    Args:
+        traces: per rank, ``(action_text, start_s, end_s)`` records.
+        offsets: seconds subtracted from rank r's times; None: each rank's own first start.
+
+    Returns:
+        The shifted records, per rank.
+
+    Raises:
+        ValueError: ``offsets`` does not have one entry per rank.
+    """
+    if offsets is None:
+        offsets = [min((s for _, s, _ in t), default=0.0) for t in traces]
+    if len(offsets) != len(traces):
+        raise ValueError(f"{len(offsets)} offsets for {len(traces)} ranks; give one per rank")
+    return [[(text, s - off, e - off) for text, s, e in t] for t, off in zip(traces, offsets)]
+
+
+def _names(traces: Traces, names: Sequence[str] | None) -> list[str]:
+    if names is None:
+        return [f"worker {r}" for r in range(len(traces))]
+    if len(names) != len(traces):
+        raise ValueError(f"{len(names)} names for {len(traces)} ranks; give one per rank")
+    return list(names)
+
+
+def write_chrome_trace(traces: Traces, path: str | os.PathLike, names: Sequence[str] | None = None,
+                       offsets: Sequence[float] | None = None) -> None:
+    """Write a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing).
+
+    Each rank is one process (``pid`` = rank, one thread) named ``names[r]``; each record is a
+    complete event (``ph: "X"``) named by its action text, with ``cat`` its category (forward,
+    backward, send/receive, gradient sync, update) and times in microseconds.
+
+    Args:
+        traces: per rank, ``(action_text, start_s, end_s)`` records.
+        path: the JSON file to write.
+        names: one label per rank (default ``worker r``).
+        offsets: see :func:`aligned`.
+
+    Raises:
+        ValueError: a record's text is not an action, or ``names``/``offsets`` have the wrong length.
+    """
+    events: list[dict[str, object]] = []
+    for r, (name, records) in enumerate(zip(_names(traces, names), aligned(traces, offsets))):
+        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": r, "args": {"name": name}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": r, "args": {"sort_index": r}})
+        for text, start, end in records:
+            events.append({"name": text, "cat": _STYLE[Action.parse(text).kind][0], "ph": "X",
+                           "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6, "pid": r, "tid": r})
+    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}) + "\n")
+
+
+def draw_timeline(traces: Traces, path: str | os.PathLike, title: str = "",
+                  names: Sequence[str] | None = None, offsets: Sequence[float] | None = None,
+                  width_in: float = 12.0) -> None:
+    """Draw one lane per worker, worker 0 on top, time in ms, and save it as a PNG.
+
+    Forward and backward boxes are coloured differently and labelled with their minibatch id as in
+    the action text (0-based; ``3.1`` is minibatch 3's microbatch 1) where the box is wide enough.
+    Sends, receives (including the wait for the message), gradient syncs and optimizer steps are
+    thin bars at the bottom of the lane.
+
+    Args:
+        traces: per rank, ``(action_text, start_s, end_s)`` records.
+        path: the PNG file to write.
+        title: the figure title.
+        names: one label per lane (default ``worker r``).
+        offsets: see :func:`aligned`.
+        width_in: figure width in inches.
+
+    Raises:
+        ValueError: a record's text is not an action, or ``names``/``offsets`` have the wrong length.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, safe in worker processes and CI
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lanes = _names(traces, names)
+    records = aligned(traces, offsets)
+    span_ms = max((e for t in records for _, _, e in t), default=0.0) * 1e3 or 1.0
+    height_in = 0.9 + 0.55 * len(lanes)
+    fig, ax = plt.subplots(figsize=(width_in, height_in))
+    left, right, bottom, top = 0.12, 0.98, 0.15, 0.88
+    fig.subplots_adjust(left=left, right=right, bottom=bottom, top=top)
+    axes_in, fontsize = width_in * (right - left), 8.0
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for r, lane in enumerate(records):
+        for text, start, end in lane:
+            a = Action.parse(text)
+            x, w = start * 1e3, (end - start) * 1e3
+            if w > 0:  # zero-length records (a free send, a free optimizer step) draw nothing
+                bars[(r, a.kind)].append((x, w))
+            label = str(a.mb) if a.micro is None else f"{a.mb}.{a.micro}"
+            # label only boxes wider than the text (a character is ~0.6 em wide)
+            if a.kind in (FORWARD, BACKWARD) and w / span_ms * axes_in > len(label) * fontsize * 0.6 / 72 + 0.02:
+                ax.text(x + w / 2, r, label, ha="center", va="center", color="white", fontsize=fontsize)
+    for (r, kind), spans in bars.items():
+        _, colour, height = _STYLE[kind]
+        compute = kind in (FORWARD, BACKWARD)
+        ax.broken_barh(spans, (r + 0.4 - height, height), facecolors=colour,
+                       edgecolors="white" if compute else "none", linewidth=0.5, zorder=1 if compute else 2)
+    kinds = {kind for _, kind in bars}
+    used = {cat: colour for kind, (cat, colour, _) in _STYLE.items() if kind in kinds}
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)  # worker 0 on top, as in the paper's figures
+    ax.set_xlim(0, span_ms)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title)
+    below = 0.45 / (height_in * (top - bottom))  # 0.45 inch under the axes, clear of the time label
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in used.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -below), ncol=len(used), frameon=False, fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)

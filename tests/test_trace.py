@@ -1,0 +1,56 @@
+"""Traces -> Chrome trace JSON and PNG timelines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipetrain.schedule import build_schedule
+from pipetrain.simulate import simulate
+from pipetrain.trace import aligned, draw_timeline, write_chrome_trace
+from test_simulate import equal_profile
+
+# two ranks whose clocks have different origins, as perf_counter on two hosts
+RUNTIME_LIKE = [[("F0", 100.0, 100.001), ("SF0", 100.001, 100.0011), ("RB0", 100.0011, 100.004),
+                 ("B0", 100.004, 100.006), ("U0", 100.006, 100.0061)],
+                [("RF0", 7.0, 7.0012), ("F0", 7.0012, 7.0022), ("B0", 7.0022, 7.0042),
+                 ("SB0", 7.0042, 7.0043), ("U0", 7.0043, 7.0044)]]
+
+
+def test_aligned_shifts_each_rank_to_its_first_event_or_given_offsets():
+    each = aligned(RUNTIME_LIKE)
+    assert each[0][0][1] == 0.0 and each[1][0][1] == 0.0
+    assert each[1][1][1:] == pytest.approx((0.0012, 0.0022))
+    assert aligned(RUNTIME_LIKE, [99.0, 6.0])[0][0][1] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="one per rank"):
+        aligned(RUNTIME_LIKE, [0.0])
+
+
+def test_chrome_trace_structure(tmp_path):
+    path = tmp_path / "t.json"
+    write_chrome_trace(RUNTIME_LIKE, path, names=["stage 0", "stage 1"])
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == 10
+    assert {e["pid"] for e in complete} == {0, 1}
+    first = complete[0]
+    assert (first["name"], first["cat"], first["ts"]) == ("F0", "forward", 0.0)
+    assert first["dur"] == pytest.approx(1000.0)  # microseconds
+    assert {e["cat"] for e in complete} == {"forward", "backward", "send/receive", "update"}
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "stage 0", 1: "stage 1"}
+
+
+def test_png_timeline_written_for_runtime_and_simulated_traces(tmp_path):
+    sim = simulate(build_schedule("pipedream", [1] * 4, 8), equal_profile(4), [0, 1, 2, 3])
+    for name, traces in (("runtime.png", RUNTIME_LIKE), ("sim.png", sim.trace)):
+        path = tmp_path / name
+        draw_timeline(traces, path, title=name)
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_bad_action_text_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="cannot parse action"):
+        write_chrome_trace([[("X0", 0.0, 1.0)]], tmp_path / "t.json")
