@@ -10,7 +10,7 @@ Counting (one convention for both columns, see the notes written into the table)
 * a pipeline worker of stage s, per minibatch it processes, sends the activations of the cut after s,
   the gradients of the cut before s (same size as those activations), and its share of the stage's
   replica sync, 2 (m - 1) |w_s| / m for m replicas; it receives as many.
-The plans come from ``pipetrain.plan.plan`` with the same ring volume, so planner and table agree.
+The plans come from ``pipetrain.plan`` with the same ring volume, so planner and table agree.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 from pipetrain.costs import dp_sync_bytes
-from pipetrain.plan import Plan, plan
-from pipetrain.plan.units import format_bytes
-from pipetrain.profile import Profile
+from pipetrain.planning import Plan, plan
+from pipetrain.planning.units import format_bytes
+from pipetrain.profiling import Profile
 from pipetrain.simulate import stage_costs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ def main() -> None:
 
 Bytes each worker **sends** per minibatch it processes (it receives as many), at the batch size
 each PipeDream profile was taken at (e.g. 128 for vgg16 and resnet50, 256 for alexnet), for the
-plans `pipetrain.plan.plan(profile, M, "{BANDWIDTH}", allreduce="ring")` chooses (config: replicas
+plans `pipetrain.plan(profile, M, "{BANDWIDTH}", allreduce="ring")` chooses (config: replicas
 per stage, PipeDream's notation; a single number is plain data parallelism) and for straight
 pipelines (`straight=True`) where those differ.
 

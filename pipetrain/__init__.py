@@ -1,8 +1,12 @@
 """pipetrain: pipeline-parallel (PipeDream), CPU-GPU data-parallel and Pipe-SGD training."""
 from pipetrain.api import TrainResult, train
 from pipetrain.layers import LayerError, LayeredModel
+from pipetrain.planning import Plan, plan
+from pipetrain.profiling import Profile
+from pipetrain.profiling import profile_model as profile
 from pipetrain.runtime.launch import PipetrainError
 from pipetrain.schedule import Action, Schedule, build_schedule
+from pipetrain.simulate import Link, SimResult, simulate
 
-__all__ = ["train", "TrainResult", "LayeredModel", "LayerError", "PipetrainError", "Schedule", "Action",
-           "build_schedule"]
+__all__ = ["train", "TrainResult", "profile", "Profile", "plan", "Plan", "simulate", "SimResult", "Link",
+           "LayeredModel", "LayerError", "PipetrainError", "Schedule", "Action", "build_schedule"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           schedule: str = "pipedream", vertical_sync: bool = False, batch_size: int = 32,
           microbatches: int = 1, epochs: int = 1, shuffle: bool = True, seed: int = 0,
           checkpoint_dir: str | os.PathLike | None = None, resume: bool = False, timeout: float = 300.0,
-          threads: int | None = None, trace: bool = False, progress: bool = False) -> TrainResult:
+          threads: int | None = None, trace: bool | str | os.PathLike = False,
+          progress: bool = False) -> TrainResult:
     """Train ``model`` on ``dataset`` as a pipeline, one worker process per stage.
 
     Args:
@@ -61,7 +63,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             from the newest epoch all stages completed.
         timeout: seconds a worker waits on a silent peer before failing.
         threads: torch threads per worker (default: cores / workers).
-        trace: record each action's start and end on every worker.
+        trace: record each action's start and end on every worker (``result.traces``); a directory
+            also gets ``trace.json`` (Chrome trace, opens in Perfetto) and ``timeline.png``.
         progress: show a progress bar.
 
     Raises:
@@ -84,12 +87,28 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     cfg = JobConfig(model, dataset, loss_fn, optimizer, boundaries, replicas, schedule, vertical_sync,
                     batch_size, microbatches, epochs, shuffle, seed,
                     None if checkpoint_dir is None else str(checkpoint_dir), resume, timeout, threads,
-                    trace, progress)
+                    bool(trace), progress)
     if under_torchrun():
         parts = run_rank(cfg)["parts"]
     else:
         parts = spawn(run_rank, world, (cfg,), describe=describe(replicas))
-    return _gather(model, parts)
+    result = _gather(model, parts)
+    if trace and not isinstance(trace, bool) and int(os.environ.get("RANK", "0")) == 0:
+        _write_trace(result.traces, Path(trace), describe(replicas), f"{schedule}, stages {boundaries}")
+    return result
+
+
+def _write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],
+                 title: str) -> None:
+    from pipetrain.trace import draw_timeline, write_chrome_trace
+
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [name(r) for r in range(len(traces))]
+    # local workers share the monotonic clock; under torchrun each host has its own origin
+    start = min((t[0][1] for t in traces if t), default=0.0)
+    offsets = None if under_torchrun() else [start] * len(traces)
+    write_chrome_trace(traces, directory / "trace.json", names=names, offsets=offsets)
+    draw_timeline(traces, directory / "timeline.png", title=f"{title}: measured", names=names, offsets=offsets)
 
 
 def _check_args(schedule: str, vertical_sync: bool, batch_size: int, microbatches: int, epochs: int,

@@ -85,12 +85,15 @@ def cmd_train(args: argparse.Namespace) -> None:
         model, dataset, loss_fn=_loss(args.loss), optimizer=_optimizer(args), stages=_ints(args.stages),
         schedule=args.schedule, vertical_sync=args.vertical_sync, batch_size=args.batch_size,
         microbatches=args.microbatches, epochs=args.epochs, shuffle=not args.no_shuffle, seed=args.seed,
-        checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout=args.timeout, progress=True)
+        checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout=args.timeout,
+        trace=args.trace or False, progress=True)
     last = result.history[-1] if result.history else {"loss": float("nan")}
     print(f"final loss {last['loss']:.4f}, {result.samples_per_s:.1f} samples/s")
     if args.save:
         torch.save(result.model.state_dict(), args.save)
         print(f"saved the trained model's state_dict to {args.save}")
+    if args.trace:
+        print(f"wrote {args.trace}/trace.json and {args.trace}/timeline.png")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -104,7 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     result = pipetrain.train(
         model, train_set, loss_fn=torch.nn.functional.cross_entropy,
-        optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9), stages=[0, 2, 5, 8],
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1), stages=[0, 2, 5, 8],
         schedule="pipedream", batch_size=32, epochs=args.epochs, seed=0, progress=True)
     with torch.no_grad():
         x, y = test_set.tensors
@@ -112,6 +115,50 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"final training loss {result.history[-1]['loss']:.4f}")
     print(f"held-out accuracy {accuracy:.1%} (chance 10%)")
     print(f"throughput {result.samples_per_s:.0f} samples/s; wall time {time.perf_counter() - t0:.1f}s")
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    import json
+
+    from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
+    from pipetrain.profiling import Profile
+    from pipetrain.schedule import build_schedule
+    from pipetrain.simulate import Link, simulate
+    from pipetrain.trace import draw_timeline, write_chrome_trace
+
+    if args.straight and not args.workers:
+        raise ValueError("--straight applies to --workers (planning); --plan and --stages fix the stages")
+    profile = Profile.load(args.profile)
+    bandwidth = parse_bandwidth(args.bandwidth)
+    if args.stages:
+        boundaries = _ints(args.stages)
+        replicas = [1] * len(boundaries)
+    else:
+        if args.plan:
+            chosen = Plan.load(args.plan)
+            check_fits(chosen, len(profile), args.plan)
+        else:
+            chosen = plan(profile, args.workers, bandwidth, straight=args.straight)
+        boundaries, replicas = chosen.boundaries, chosen.replicas
+    schedule = build_schedule(args.schedule, replicas, args.minibatches, args.microbatches)
+    result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size)
+    names = [f"worker {w} (stage {schedule.stage_of(w)})" for w in range(schedule.num_workers)]
+    if args.png:
+        draw_timeline(result.trace, args.png, names=names,
+                      title=f"{args.schedule}, stages {boundaries}, replicas {replicas}: simulated")
+    if args.trace_json:
+        write_chrome_trace(result.trace, args.trace_json, names=names)
+    if args.json:
+        print(json.dumps({"schedule": args.schedule, "stages": boundaries, "replicas": replicas,
+                          **result.to_dict()}))
+        return
+    samples = "" if result.samples_per_s is None else f"{result.samples_per_s:.1f} samples/s, "
+    print(f"{args.schedule}, stages {boundaries}, replicas {replicas}: {samples}"
+          f"{result.minibatches_per_s:.2f} minibatches/s, bubble {result.bubble_fraction:.2f}")
+    print("busy fraction per worker:   " + " ".join(f"{b:.2f}" for b in result.busy_fraction))
+    print("weight versions per worker: " + " ".join(map(str, result.peak_weight_versions)))
+    for path in filter(None, (args.png, args.trace_json)):
+        print(f"wrote {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,12 +171,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", required=True, help="first layer index of each stage, e.g. 0,2,4,6")
     p.add_argument("--loss", default="cross_entropy", help="torch.nn.functional name or MODULE:FUNCTION")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write DIR/trace.json (Chrome trace) and DIR/timeline.png")
     _add_train_options(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="train a small CNN on bundled digits over 4 local workers")
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=10)
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("simulate", help="predict a pipeline's timeline and throughput from a profile")
+    p.add_argument("profile", help="profile JSON (`pipetrain profile`) or a PipeDream graph.txt")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--workers", type=int, help="plan for this many workers with the partitioner")
+    where.add_argument("--plan", help="a plan JSON from `pipetrain plan`")
+    where.add_argument("--stages", help="first layer index of each stage (one worker each), e.g. 0,3,7")
+    p.add_argument("--straight", action="store_true", help="with --workers: one worker per stage")
+    p.add_argument("--schedule", default="pipedream", help="pipedream | gpipe | 1f1b-flush | model-parallel | naive")
+    p.add_argument("--minibatches", type=int, required=True)
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=None, help="default: the profile's")
+    p.add_argument("--bandwidth", default="10Gbit", help="per link direction, e.g. 10Gbit, 1.25GB/s")
+    p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer")
+    p.add_argument("--png", help="write the timeline picture here")
+    p.add_argument("--trace-json", help="write a Chrome trace here (open in ui.perfetto.dev)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=cmd_simulate)
+    from pipetrain import _planning_cli  # here, not at the top: it imports this module
+
+    _planning_cli.register(sub)
     return parser
 
 

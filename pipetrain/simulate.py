@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from pipetrain.costs import dp_sync_bytes
 from pipetrain.layers import check_boundaries
-from pipetrain.plan.result import Plan, check_fits
-from pipetrain.profile import Profile
+from pipetrain.planning.result import Plan, check_fits
+from pipetrain.profiling import Profile
 from pipetrain.schedule import Schedule, build_schedule, validate
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, SYNC, UPDATE, Action,

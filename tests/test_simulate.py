@@ -7,8 +7,8 @@ import math
 import pytest
 
 from pipetrain.cli import main
-from pipetrain.plan.result import Plan, StagePlan
-from pipetrain.profile import LayerProfile, Profile
+from pipetrain.planning.result import Plan, StagePlan
+from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.schedule import ScheduleError, build_schedule
 from pipetrain.schedule.actions import Action, Schedule
 from pipetrain.simulate import Link, simulate, simulate_plan, stage_costs

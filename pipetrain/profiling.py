@@ -1,0 +1,343 @@
+"""Per-layer profiles: plain, versioned, serializable data.
+
+A profile is taken on a stated device at a stated minibatch size. For layer k it holds the forward and
+backward seconds, the bytes of every tensor crossing the cut after layer k (what layer k's stage would
+send to the next stage, and receive back as gradients), and the layer's parameter bytes.
+
+JSON form (``version`` 1)::
+
+    {"format": "pipetrain-profile", "version": 1, "model": "...", "device": "cpu",
+     "batch_size": 32, "input_bytes": 8192,
+     "layers": [{"name": "0", "forward_s": 0.001, "backward_s": 0.002,
+                 "activation_bytes": 4096, "parameter_bytes": 1024}, ...]}
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.layers import LayeredModel
+
+FORMAT, VERSION = "pipetrain-profile", 1
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be read, or does not fit the model it is used with."""
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer: seconds per minibatch and bytes."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+    parameter_bytes: int
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass
+class Profile:
+    """Every layer of a model, in order, measured at ``batch_size`` on ``device``."""
+
+    layers: list[LayerProfile]
+    batch_size: int
+    device: str
+    model: str = ""
+    input_bytes: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "model": self.model, "device": self.device,
+                "batch_size": self.batch_size, "input_bytes": self.input_bytes, "meta": self.meta,
+                "layers": [asdict(layer) for layer in self.layers]}
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "Profile":
+        """Read our JSON or a PipeDream ``graph.txt``, told apart by the first character.
+
+        Raises:
+            ProfileError: a missing, unreadable or malformed file (one line naming it and the fix).
+        """
+        text = _read_text(path)
+        if text.lstrip().startswith("{"):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ProfileError(f"{path}: not valid JSON ({e}); regenerate it with `pipetrain profile`") from None
+            return Profile.from_dict(data, str(path))
+        return Profile.from_pipedream(path, text=text)
+
+    @staticmethod
+    def from_pipedream(path: str | os.PathLike, batch_size: int = 0, *, text: str | None = None) -> "Profile":
+        """Read a profile published with PipeDream (``graph.txt``; format in ``pipetrain/data/pipedream``).
+
+        Layers are the graph's nodes in topological order, ties broken by node number; ``Input``
+        nodes are the model input, not layers. A layer's ``activation_bytes`` are those of every node
+        at or before it with an edge to a node after it (both branches inside a residual block);
+        the last layer's are its own output.
+
+        Args:
+            path: the file.
+            batch_size: the batch it was profiled at, if known (the file does not say; 0 = unknown).
+            text: the file's contents, if already read.
+
+        Raises:
+            ProfileError: a malformed file (one line naming it, the line and the fix).
+        """
+        nodes, edges = _read_graph(str(path), _read_text(path) if text is None else text)
+        order = _topological(str(path), nodes, edges)
+        inputs = [v for v in order if nodes[v].desc.startswith("Input")]
+        order = [v for v in order if not nodes[v].desc.startswith("Input")]
+        pos = {v: k for k, v in enumerate(order)} | {v: -1 for v in inputs}
+        # A node's output crosses every cut from its own position up to its last consumer's.
+        crossing = [0] * (len(order) + 1)
+        for v, consumers in edges.items():
+            last = max(pos[u] for u in consumers)
+            if last > pos[v]:
+                crossing[pos[v] + 1] += nodes[v].activation_bytes
+                crossing[last + 1] -= nodes[v].activation_bytes
+        cut = list(itertools.accumulate(crossing))[1:]  # cut[k]: after position k
+        cut[-1] = nodes[order[-1]].activation_bytes
+        layers = [LayerProfile(f"{v} {nodes[v].desc}", nodes[v].forward_ms / 1e3, nodes[v].backward_ms / 1e3,
+                               cut[k], nodes[v].parameter_bytes) for k, v in enumerate(order)]
+        return Profile(layers, batch_size, "gpu (PipeDream profile)", Path(path).name.split(".")[0],
+                       sum(nodes[v].activation_bytes for v in inputs), {"source": "pipedream"})
+
+    @staticmethod
+    def from_dict(data: dict[str, Any], source: str = "profile") -> "Profile":
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise ProfileError(f"{source}: not a {FORMAT} version {VERSION} file; make one with "
+                               "`pipetrain profile` or read PipeDream files with Profile.from_pipedream")
+        try:
+            layers = [LayerProfile(str(d["name"]), float(d["forward_s"]), float(d["backward_s"]),
+                                   int(d["activation_bytes"]), int(d["parameter_bytes"])) for d in data["layers"]]
+            return Profile(layers, int(data["batch_size"]), str(data["device"]), str(data.get("model", "")),
+                           int(data.get("input_bytes", 0)), dict(data.get("meta", {})))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"{source}: malformed layer entry ({e}); regenerate it with `pipetrain profile`") from None
+
+
+def _read_text(path: str | os.PathLike) -> str:
+    try:
+        return Path(path).read_text()
+    except (FileNotFoundError, IsADirectoryError):
+        raise ProfileError(f"{path}: no such profile file; make one with "
+                           f"`pipetrain profile MODULE:FACTORY --batch-size B -o {path}`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{path}: cannot read it ({e}); give a profile JSON or a PipeDream graph.txt") from None
+
+
+def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                  *, repeats: int = 10, warmup: int = 2) -> Profile:
+    """Measure every layer of ``model`` on one minibatch.
+
+    Layer k runs alone, as ``LayeredModel(model).stage(k, k)``, on what layer k - 1 returned, so its
+    times are what a stage holding it would spend. Times are medians of ``repeats`` runs after
+    ``warmup`` runs. A layer's backward is seeded with ones for each output (or, for the last layer,
+    starts from ``loss_fn``) and computes the gradients of its parameters and, after layer 0, of its
+    inputs, as a pipeline stage must send those back. The model's buffers (e.g. batch-norm
+    statistics) are restored afterwards and no ``.grad`` is touched.
+
+    Args:
+        model: an ``nn.Sequential`` or a ``torch.fx``-traceable module, on the device to profile.
+        sample_batch: one minibatch of model input (a tensor, or a tuple for several inputs); with
+            ``loss_fn``, an ``(input, target)`` pair as a dataset gives.
+        loss_fn: ``loss_fn(output, target)``, timed as part of the last layer.
+        repeats: timed runs per layer.
+        warmup: untimed runs per layer before those.
+
+    Returns:
+        The profile, at the batch size and on the device of the input.
+
+    Raises:
+        LayerError: the model cannot be cut into layers.
+        ValueError: ``repeats < 1``, no input tensors, or no ``(input, target)`` pair with ``loss_fn``.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if loss_fn is not None and not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
+        raise ValueError("with loss_fn, sample_batch must be an (input, target) pair")
+    value, target = sample_batch if loss_fn is not None else (sample_batch, None)
+    inputs = _tensors(value)
+    if not inputs:
+        raise ValueError("sample_batch holds no tensors; pass one minibatch of model input")
+    layers = LayeredModel(model)
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    measured = []
+    try:
+        for k in range(len(layers)):
+            stage = layers.stage(k, k)
+            last = loss_fn is not None and k == len(layers) - 1
+            fwd, bwd, value = _time_layer(stage, value, k > 0, (lambda y: loss_fn(y, target)) if last else None,
+                                          repeats, warmup)
+            param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+            measured.append(LayerProfile(layers.names[k], fwd, bwd, _nbytes(value), param_bytes))
+    finally:
+        with torch.no_grad():
+            for buffer, copy in saved:
+                buffer.copy_(copy)
+    first = inputs[0]
+    return Profile(measured, int(first.shape[0]) if first.dim() else 1, str(first.device), type(model).__name__,
+                   _nbytes(inputs))
+
+
+def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any], torch.Tensor] | None,
+                repeats: int, warmup: int) -> tuple[float, float, Any]:
+    """(median forward s, median backward s, the output detached) of one layer."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    cuda = any(t.is_cuda for t in _tensors(x)) or any(p.is_cuda for p in params)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    forward, backward = [], []
+    for run in range(warmup + repeats):
+        leaves = _map(x, lambda t: t.detach().requires_grad_(input_grads and t.is_floating_point()))
+        # The layer gets copies: an in-place first op must not fail on a leaf or change the input.
+        feed = _map(leaves, torch.clone)
+        sync()
+        t0 = time.perf_counter()
+        y = stage(feed)
+        head = y if loss is None else loss(y)
+        sync()
+        t1 = time.perf_counter()
+        roots = [t for t in _tensors(head) if t.requires_grad]
+        wrt = [t for t in _tensors(leaves) if t.requires_grad] + params
+        seeds = [torch.ones_like(t) for t in roots]
+        sync()
+        t2 = time.perf_counter()
+        if roots and wrt:
+            torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+        sync()
+        if run >= warmup:
+            forward.append(t1 - t0)
+            backward.append(time.perf_counter() - t2)
+    return statistics.median(forward), statistics.median(backward), _map(y, torch.Tensor.detach)
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` on every tensor of a nested tuple/list/dict; other values (e.g. sizes) pass through."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a nested tuple/list/dict, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [t for v in items for t in _tensors(v)]
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+@dataclass(frozen=True)
+class _Node:
+    desc: str
+    forward_ms: float
+    backward_ms: float
+    activation_bytes: int
+    parameter_bytes: int
+
+
+_NODE_LINE = re.compile(r"^(\S+) -- (.*) -- (forward_compute_time=.*)$")
+_FIELD = re.compile(r"(\w+)=(\[[^\]]*\]|[^,]+)")
+_FIELDS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
+_GRAPH_FIX = ("expected `nodeN -- Desc -- forward_compute_time=MS, backward_compute_time=MS, "
+              "activation_size=BYTES, parameter_size=BYTES` or a tab and `nodeA -- nodeB`")
+
+
+def _read_graph(source: str, text: str) -> tuple[dict[str, _Node], dict[str, list[str]]]:
+    """Nodes by id and, per node, the nodes it feeds, from graph.txt text."""
+    nodes: dict[str, _Node] = {}
+    edges: dict[str, list[str]] = {}
+    edge_lines: list[tuple[int, str, str]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.startswith("\t"):
+            ends = line.strip().split(" -- ")
+            if len(ends) != 2:
+                raise ProfileError(f"{source}:{lineno}: cannot read edge line {line.strip()!r}; {_GRAPH_FIX}")
+            edge_lines.append((lineno, *ends))
+            continue
+        m = _NODE_LINE.match(line.strip())
+        fields = dict(_FIELD.findall(m.group(3))) if m else {}
+        try:
+            forward, backward, act, par = (_number(fields[k]) for k in _FIELDS)
+        except (KeyError, ValueError):
+            raise ProfileError(f"{source}:{lineno}: cannot read node line {line.strip()[:60]!r}; "
+                               f"{_GRAPH_FIX}") from None
+        nodes[m.group(1)] = _Node(m.group(2), forward, backward, round(act), round(par))  # type: ignore[union-attr]
+    for lineno, a, b in edge_lines:
+        if a not in nodes or b not in nodes:
+            raise ProfileError(f"{source}:{lineno}: edge {a} -- {b} names a node with no node line; "
+                               "add the node line or drop the edge")
+        edges.setdefault(a, []).append(b)
+    if not any(not n.desc.startswith("Input") for n in nodes.values()):
+        raise ProfileError(f"{source}: no layer nodes found; give a PipeDream graph.txt ({_GRAPH_FIX})")
+    return nodes, edges
+
+
+def _number(text: str) -> float:
+    """``12.5`` or a list ``[a; b; ...]`` (several outputs), summed."""
+    text = text.strip()
+    if text.startswith("["):
+        return sum(float(x) for x in text[1:-1].split(";") if x.strip())
+    return float(text)
+
+
+def _topological(source: str, nodes: dict[str, _Node], edges: dict[str, list[str]]) -> list[str]:
+    """Kahn's algorithm; among ready nodes the lowest node number goes first, so the order is
+    deterministic and follows the file's numbering where the graph allows."""
+    indegree = dict.fromkeys(nodes, 0)
+    for consumers in edges.values():
+        for u in consumers:
+            indegree[u] += 1
+    ready = [(_natural(v), v) for v, d in indegree.items() if d == 0]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        _, v = heapq.heappop(ready)
+        order.append(v)
+        for u in edges.get(v, []):
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                heapq.heappush(ready, (_natural(u), u))
+    if len(order) < len(nodes):
+        stuck = sorted((v for v in nodes if v not in set(order)), key=_natural)[:3]
+        raise ProfileError(f"{source}: the edges form a cycle through {', '.join(stuck)}; "
+                           "a profile graph must be acyclic")
+    return order
+
+
+def _natural(name: str) -> tuple[str | int, ...]:
+    """``node10`` sorts after ``node9``."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))

@@ -1,0 +1,190 @@
+"""Profiles: the profiler on Sequential and branchy fx models, PipeDream's graph.txt, JSON, the CLI."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from pipetrain import cli
+from pipetrain.layers import LayeredModel
+from pipetrain.profiling import LayerProfile, Profile, ProfileError
+
+DATA = Path(pipetrain.__file__).parent / "data" / "pipedream"
+
+
+def read_edges(path):
+    """(node ids, edges) of a graph.txt, parsed here independently of pipetrain."""
+    ids, edges = [], []
+    for line in path.read_text().splitlines():
+        if line.startswith("\t"):
+            edges.append(tuple(line.strip().split(" -- ")))
+        elif line.strip():
+            ids.append(line.split(" -- ")[0])
+    return ids, edges
+
+
+@pytest.mark.parametrize("name, nodes, inputs", [("vgg16", 41, 1), ("alexnet", 23, 1), ("resnet18", 71, 1),
+                                                 ("gnmt", 48, 3)])
+def test_pipedream_files_read_in_topological_order(name, nodes, inputs):
+    path = DATA / f"{name}.graph.txt"
+    profile = Profile.load(path)
+    ids, edges = read_edges(path)
+    assert len(ids) == nodes and len(profile) == nodes - inputs  # Input nodes are not layers
+    pos = {layer.name.split()[0]: k for k, layer in enumerate(profile.layers)}
+    assert all(pos.get(a, -1) < pos[b] for a, b in edges)  # every edge points forward
+    assert profile.model == name and profile.device.startswith("gpu")
+    assert Profile.load(path) == profile  # deterministic
+    # the bytes of cut k: every node at or before k (inputs count as before 0) feeding one after k
+    sizes = {v: _activation(path, v) for v in ids}
+    for k in range(len(profile) - 1):
+        crossing = {a for a, b in edges if pos.get(a, -1) <= k < pos[b]}
+        assert profile.layers[k].activation_bytes == sum(sizes[v] for v in crossing), k
+
+
+def _activation(path, node):
+    line = next(x for x in path.read_text().splitlines() if x.startswith(f"{node} -- "))
+    value = re.search(r"activation_size=(\[[^\]]*\]|[^,]+)", line).group(1)
+    return round(sum(float(x) for x in value.strip("[]").split(";")))
+
+
+def test_vgg16_values():
+    profile = Profile.load(DATA / "vgg16.graph.txt")
+    first, last = profile.layers[0], profile.layers[-1]
+    assert first.name.startswith("node2 Conv2d(3, 64")
+    assert first.forward_s == pytest.approx(22.307e-3) and first.backward_s == pytest.approx(24.613e-3)
+    assert first.activation_bytes == 1644167168 and first.parameter_bytes == 7168
+    assert last.name.startswith("node41 Linear") and last.activation_bytes == 512000
+    assert profile.input_bytes == 77070336
+
+
+def node(name, desc, forward=1.0, backward=1.0, activation="1.0", parameters=1.0):
+    return (f"{name} -- {desc} -- forward_compute_time={forward}, backward_compute_time={backward}, "
+            f"activation_size={activation}, parameter_size={parameters}\n")
+
+
+def test_list_activations_are_summed_and_branches_both_cross(tmp_path):
+    # Shuffled lines; node3 returns two tensors; the cut after node4 carries node4's and node3's outputs.
+    graph = tmp_path / "g.graph.txt"
+    graph.write_text(node("node4", "Linear", 2.0, 3.0, "40.0", 8.0) + node("node1", "Input", 9.0, 0.0, "16.0", 0.0)
+                     + node("node3", "LSTM", 1.0, 1.0, "[100.0; 20.0; 3.0]", 4.0)
+                     + node("node10", "Add", 0.5, 0.5, "40.0", 0.0)
+                     + "\tnode4 -- node10\n\tnode3 -- node4\n\tnode1 -- node3\n\tnode3 -- node10\n")
+    profile = Profile.from_pipedream(graph, batch_size=8)
+    assert [x.name for x in profile.layers] == ["node3 LSTM", "node4 Linear", "node10 Add"]
+    assert [x.activation_bytes for x in profile.layers] == [123, 40 + 123, 40]
+    assert profile.layers[0].compute_s == pytest.approx(2e-3) and profile.input_bytes == 16
+    assert profile.batch_size == 8
+
+
+@pytest.mark.parametrize("text, message", [
+    (node("node1", "Conv", forward="x"), r":1: cannot read node line"),
+    (node("node1", "Conv") + "\tnode1 -- node7\n", r":2: edge node1 -- node7 names a node with no node line"),
+    (node("node1", "A") + node("node2", "B") + "\tnode1 -- node2\n\tnode2 -- node1\n",
+     r": the edges form a cycle through node1, node2"),
+    ("\n", r": no layer nodes found"),
+    ('{"format": "something-else"}', r": not a pipetrain-profile version 1 file; make one with `pipetrain profile`"),
+    ('{"format": "pipetrain-profile", "version": 1, "layers": [{"name": "a"}]}', r": malformed layer entry"),
+    ("{not json", r": not valid JSON"),
+])
+def test_malformed_files_are_one_line_errors(tmp_path, text, message):
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as e:
+        Profile.load(path)
+    assert str(e.value).startswith(str(path)) and re.search(message, str(e.value)) and "\n" not in str(e.value)
+
+
+def test_missing_file_says_how_to_make_one(tmp_path):
+    with pytest.raises(ProfileError, match="no such profile file; make one with `pipetrain profile"):
+        Profile.load(tmp_path / "nope.json")
+
+
+def test_json_round_trip(tmp_path):
+    profile = Profile([LayerProfile("a", 0.1, 0.2, 64, 32), LayerProfile("b", 0.3, 0.4, 8, 0)], 16, "cpu", "M", 128)
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    assert json.loads(path.read_text())["layers"][1]["forward_s"] == 0.3
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+
+class Residual(nn.Module):
+    """x -> inp -> h; h -> a -> b -> y; out(y + h): the cuts inside the block carry h as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.a, self.b, self.out = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        y = self.b(torch.relu(self.a(h)))
+        z = y + h
+        return self.out(z.view(z.size(0), -1))
+
+
+def test_profiler_on_sequential():
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile = pipetrain.profile(model, torch.randn(32, 8), repeats=3, warmup=1)
+    assert len(profile) == 4 and [x.name for x in profile.layers] == ["0", "1", "2", "3"]
+    assert [x.activation_bytes for x in profile.layers] == [32 * 16 * 4] * 3 + [32 * 4 * 4]
+    assert [x.parameter_bytes for x in profile.layers] == [(8 * 16 + 16) * 4, 0, 32 * 4, (16 * 4 + 4) * 4]
+    assert all(x.forward_s > 0 and x.backward_s > 0 for x in profile.layers)
+    assert (profile.batch_size, profile.device, profile.model, profile.input_bytes) == (32, "cpu", "Sequential", 1024)
+    # profiling leaves the model as it was: batch-norm statistics restored, no gradients
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_profiler_with_loss_times_the_loss_on_the_last_layer():
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    profile = pipetrain.profile(mlp(), (x, y), nn.functional.cross_entropy, repeats=2, warmup=0)
+    assert len(profile) == 4 and profile.layers[-1].backward_s > 0 and profile.batch_size == 16
+
+
+def test_profiler_on_branchy_fx_model():
+    model = Residual()
+    layers = LayeredModel(model)
+    profile = pipetrain.profile(model, torch.randn(5, 4), repeats=2, warmup=1)
+    assert [x.name for x in profile.layers] == layers.names
+    by_name = {x.name: x for x in profile.layers}
+    one = 5 * 6 * 4  # bytes of one (5, 6) float32 tensor
+    assert layers.crossing(layers.names.index("relu")) == ["inp", "relu"]
+    assert by_name["relu"].activation_bytes == 2 * one  # both branches cross the residual cut
+    assert by_name["add"].activation_bytes == one
+    assert by_name["size"].activation_bytes == one  # the size is an int, not a tensor: no bytes
+    assert by_name["out"].activation_bytes == 5 * 3 * 4
+    assert by_name["inp"].parameter_bytes == (4 * 6 + 6) * 4 and by_name["add"].parameter_bytes == 0
+
+
+def test_profiler_rejects_bad_input():
+    with pytest.raises(ValueError, match="no tensors"):
+        pipetrain.profile(mlp(), [1, 2])
+    with pytest.raises(ValueError, match="repeats"):
+        pipetrain.profile(mlp(), torch.randn(2, 8), repeats=0)
+    with pytest.raises(ValueError, match=r"an \(input, target\) pair"):
+        pipetrain.profile(mlp(), torch.randn(2, 8), nn.functional.cross_entropy)
+
+
+def test_cli_profile_then_plan(capsys, tmp_path):
+    out = tmp_path / "profile.json"
+    code = cli.main(["profile", "pipetrain.zoo:digits_cnn", "--batch-size", "8", "--input-shape", "1,8,8",
+                     "--repeats", "2", "--warmup", "0", "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "profiled 9 layers of Sequential at batch 8 on cpu" in printed
+    profile = Profile.load(out)
+    assert len(profile) == 9 and profile.batch_size == 8
+    code = cli.main(["plan", str(out), "--workers", "3", "--bandwidth", "1Gbit", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0 and sum(s["replicas"] for s in plan["stages"]) == 3
+    assert plan["stages"][-1]["last_layer"] == 8
+    code = cli.main(["profile", "pipetrain.zoo:digits_cnn", "--batch-size", "8", "--data", "pipetrain.data:digits",
+                     "--loss", "cross_entropy", "--repeats", "1", "--warmup", "0", "-o", str(out)])
+    assert code == 0 and Profile.load(out).input_bytes == 8 * 64 * 4
