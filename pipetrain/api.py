@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from pipetrain.layers import LayeredModel, check_boundaries
-from pipetrain.runtime.job import JobConfig, describe, run_rank
+from pipetrain.planning import Plan, check_fits, plan
+from pipetrain.profiling import profile_model
+from pipetrain.runtime.job import JobConfig, describe, init_distributed, run_rank
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
 from pipetrain.schedule import SCHEDULES
 
@@ -30,17 +32,21 @@ class TrainResult:
             ``time`` (the output stage's perf_counter).
         samples_per_s: samples trained per second over the whole run, measured at the output stage.
         traces: per rank, ``(action, start, end)`` records when ``trace=True`` (perf_counter seconds).
+        plan: the plan that placed the stages, when one did (``"auto"``, a Plan or a plan file).
+        predicted_samples_per_s: the plan's prediction, batch size / its slowest stage's time.
     """
 
     model: nn.Module
     history: list[dict[str, Any]]
     samples_per_s: float
     traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    plan: Plan | None = None
+    predicted_samples_per_s: float | None = None
 
 
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
-          optimizer: Callable[..., torch.optim.Optimizer], stages: Sequence[int],
-          schedule: str = "pipedream", vertical_sync: bool = False, batch_size: int = 32,
+          optimizer: Callable[..., torch.optim.Optimizer], stages: Sequence[int] | Plan | str | os.PathLike,
+          workers: int | None = None, bandwidth: float | str = "10Gbit", schedule: str = "pipedream", vertical_sync: bool = False, batch_size: int = 32,
           microbatches: int = 1, epochs: int = 1, shuffle: bool = True, seed: int = 0,
           checkpoint_dir: str | os.PathLike | None = None, resume: bool = False, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False,
@@ -52,7 +58,11 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         dataset: a map-style dataset of ``(input, target)`` pairs.
         loss_fn: ``loss_fn(output, target)`` of a minibatch; mean-reduced for microbatching.
         optimizer: a factory taking parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
-        stages: the first layer index of each stage.
+        stages: the first layer index of each stage (one worker each); or a ``Plan``, or a plan JSON
+            path (``pipetrain plan -o``), which may replicate stages; or ``"auto"``: profile the model
+            on the first minibatch and plan for ``workers`` at ``bandwidth`` (PipeDream §3.2).
+        workers: the worker count for ``"auto"``; with a plan, it must match the plan's.
+        bandwidth: link speed the automatic plan assumes, bytes/s or a string such as ``"10Gbit"``.
         schedule: ``pipedream``, ``naive``, ``gpipe``, ``1f1b-flush`` or ``model-parallel``.
         vertical_sync: with ``pipedream``, every stage uses the input stage's weight version.
         batch_size: samples per minibatch (one optimizer update).
@@ -72,27 +82,31 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         PipetrainError: a worker failed; the message names it.
     """
     layers = LayeredModel(model)
-    boundaries = [int(b) for b in stages]
+    chosen = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, batch_size, bandwidth,
+                           _threads(threads, workers or 1), timeout)
+    boundaries = chosen.boundaries if chosen else [int(b) for b in stages]  # type: ignore[union-attr]
+    replicas = chosen.replicas if chosen else [1] * len(boundaries)
     check_boundaries(boundaries, len(layers))
-    replicas = [1] * len(boundaries)
     world = sum(replicas)
     _check_args(schedule, vertical_sync, batch_size, microbatches, epochs, len(dataset),  # type: ignore[arg-type]
                 math.lcm(*replicas), checkpoint_dir, resume)
+    if vertical_sync and world != len(replicas):
+        raise ValueError(f"vertical_sync needs one worker per stage; this plan replicates stages {replicas}")
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} workers but stages={boundaries} "
                          f"needs {world}; launch with --nproc-per-node/--nnodes giving {world} in all")
-    if threads is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else world
-        threads = max(1, (os.cpu_count() or 1) // local)
     cfg = JobConfig(model, dataset, loss_fn, optimizer, boundaries, replicas, schedule, vertical_sync,
                     batch_size, microbatches, epochs, shuffle, seed,
-                    None if checkpoint_dir is None else str(checkpoint_dir), resume, timeout, threads,
+                    None if checkpoint_dir is None else str(checkpoint_dir), resume, timeout, _threads(threads, world),
                     bool(trace), progress)
     if under_torchrun():
         parts = run_rank(cfg)["parts"]
     else:
         parts = spawn(run_rank, world, (cfg,), describe=describe(replicas))
     result = _gather(model, parts)
+    if chosen is not None:
+        result.plan = chosen
+        result.predicted_samples_per_s = batch_size / chosen.stage_time_s if chosen.stage_time_s > 0 else None
     if trace and not isinstance(trace, bool) and int(os.environ.get("RANK", "0")) == 0:
         _write_trace(result.traces, Path(trace), describe(replicas), f"{schedule}, stages {boundaries}")
     return result
@@ -109,6 +123,64 @@ def _write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, 
     offsets = None if under_torchrun() else [start] * len(traces)
     write_chrome_trace(traces, directory / "trace.json", names=names, offsets=offsets)
     draw_timeline(traces, directory / "timeline.png", title=f"{title}: measured", names=names, offsets=offsets)
+
+
+def _threads(threads: int | None, workers: int) -> int:
+    """Torch threads per worker: the cores of this machine shared by its workers, unless given."""
+    if threads is not None:
+        return threads
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", workers))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def _resolve_plan(stages: Any, workers: int | None, num_layers: int, model: nn.Module, dataset: Dataset,
+                  loss_fn: Callable[[Any, Any], torch.Tensor], batch_size: int, bandwidth: float | str,
+                  threads: int, timeout: float) -> Plan | None:
+    """The plan ``stages`` names (a Plan, a JSON path or "auto"), checked against the model; None
+    for a plain list of boundaries."""
+    if isinstance(stages, Plan):
+        chosen, source = stages, "the plan"
+    elif isinstance(stages, (str, os.PathLike)) and str(stages) == "auto":
+        if workers is None:
+            raise ValueError("stages='auto' needs workers=N (CLI: --workers N), the number of workers to plan for")
+        chosen, source = _auto_plan(model, dataset, loss_fn, batch_size, workers, bandwidth, threads, timeout), "auto"
+    elif isinstance(stages, (str, os.PathLike)):
+        chosen, source = Plan.load(stages), str(stages)
+    else:
+        return None
+    check_fits(chosen, num_layers, source)
+    if workers is not None and chosen.workers != workers:
+        raise ValueError(f"{source} places {chosen.workers} workers but workers={workers} was asked for; "
+                         f"use {chosen.workers} or make a new plan with `pipetrain plan --workers {workers}`")
+    return chosen
+
+
+def _auto_plan(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
+               batch_size: int, workers: int, bandwidth: float | str, threads: int, timeout: float) -> Plan:
+    """Profile on the first minibatch with the workers' thread count, then plan. Under torchrun,
+    rank 0 plans and the others take its plan, so timing noise cannot split the job."""
+    if under_torchrun():
+        import torch.distributed as dist
+
+        init_distributed(timeout)
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            box[0] = _profile_and_plan(model, dataset, loss_fn, batch_size, workers, bandwidth, threads).to_dict()
+        dist.broadcast_object_list(box, src=0)
+        return Plan.from_dict(box[0])
+    return _profile_and_plan(model, dataset, loss_fn, batch_size, workers, bandwidth, threads)
+
+
+def _profile_and_plan(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
+                      batch_size: int, workers: int, bandwidth: float | str, threads: int) -> Plan:
+    x, y = default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])  # type: ignore[arg-type]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        measured = profile_model(model, (x, y), loss_fn, repeats=5, warmup=2)
+    finally:
+        torch.set_num_threads(before)
+    return plan(measured, workers, bandwidth)
 
 
 def _check_args(schedule: str, vertical_sync: bool, batch_size: int, microbatches: int, epochs: int,

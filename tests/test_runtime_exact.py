@@ -8,12 +8,14 @@ the gradient of the whole network's loss with stage s running at version v_s(t):
 then W_s[t] = W_s[t-1] - lr * grad_s.
 """
 import functools
+import math
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 import pipetrain
+from pipetrain.planning import Plan, StagePlan
 from pt_models import SIZES, Residual, mlp
 
 N_STAGES, N_MB, BATCH, LR = 4, 12, 4, 0.05
@@ -27,11 +29,15 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def reference(version) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Plain-tensor SGD where stage s (1-based) computes minibatch t at weights W_s[version(s, t)]."""
+def reference(version, replicas=(1, 1, 1, 1)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Plain-tensor SGD where stage s (1-based) computes minibatch t at weights W_s[version(s, t)].
+
+    A stage with r replicas makes one update per r minibatches, with their mean gradient.
+    """
     model = mlp()
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
     hist = [[(l.weight.detach().clone(), l.bias.detach().clone())] for l in linears]
+    pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(N_STAGES)]
     x_all, y_all = dataset().tensors
     for t in range(1, N_MB + 1):
         x, y = x_all[(t - 1) * BATCH:t * BATCH], y_all[(t - 1) * BATCH:t * BATCH]
@@ -44,16 +50,20 @@ def reference(version) -> list[tuple[torch.Tensor, torch.Tensor]]:
         loss = ((h - y) ** 2).mean()
         grads = torch.autograd.grad(loss, [p for pair in used for p in pair])
         for s in range(N_STAGES):
-            w, b = hist[s][-1]
-            hist[s].append((w - LR * grads[2 * s], b - LR * grads[2 * s + 1]))
+            pending[s].append((grads[2 * s], grads[2 * s + 1]))
+            if len(pending[s]) == replicas[s]:
+                w, b = hist[s][-1]
+                gw = sum(g for g, _ in pending[s]) / replicas[s]
+                gb = sum(g for _, g in pending[s]) / replicas[s]
+                hist[s].append((w - LR * gw, b - LR * gb))
+                pending[s].clear()
     return [h[-1] for h in hist]
 
 
 def run(schedule: str, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    result = pipetrain.train(
-        mlp(), dataset(), loss_fn=torch.nn.functional.mse_loss,
-        optimizer=functools.partial(torch.optim.SGD, lr=LR), stages=STAGES, schedule=schedule,
-        batch_size=BATCH, epochs=1, shuffle=False, seed=0, timeout=60, **kw)
+    args = dict(loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                stages=STAGES, schedule=schedule, batch_size=BATCH, epochs=1, shuffle=False, seed=0, timeout=60)
+    result = pipetrain.train(mlp(), dataset(), **{**args, **kw})
     assert [h["step"] for h in result.history] == list(range(1, N_MB + 1))
     return [(m.weight.detach(), m.bias.detach()) for m in result.model if isinstance(m, torch.nn.Linear)]
 
@@ -119,3 +129,33 @@ def test_branchy_fx_model_trains_like_local_sgd():
     for (k, v), (k2, v2) in zip(result.model.state_dict().items(), ref.state_dict().items()):
         assert k == k2
         torch.testing.assert_close(v, v2, rtol=0, atol=1e-9)
+
+
+def test_replicated_stage_is_exact():
+    """Stages on 2, 1, 1, 1 workers (stage 1 replicated): the update rule of a replicated stage.
+
+    With r replicas and warm-up w = ceil(workers in stages s.. / r), minibatch t (1-based) is computed
+    at the stage's weights after max(0, (t-1)//r - w + 1) updates, and each update is the mean of r
+    consecutive minibatches' gradients. Here w = ceil(5/2) = 3 for the replicated stage, then 3, 2, 1.
+    """
+    replicas = (2, 1, 1, 1)
+    warm = [math.ceil(sum(replicas[s:]) / replicas[s]) for s in range(N_STAGES)]
+
+    def rule(s: int, t: int) -> int:
+        return max(0, (t - 1) // replicas[s - 1] - warm[s - 1] + 1)
+
+    layout = Plan([StagePlan(0, 1, 2), StagePlan(2, 3, 1), StagePlan(4, 5, 1), StagePlan(6, 6, 1)],
+                  noam=3, stage_time_s=1.0, speedup_vs_one=1.0, speedup_vs_dp=1.0)
+    assert_same(run("pipedream", stages=layout), reference(rule, replicas))
+    assert max((a[0] - b[0]).abs().max().item() for a, b in zip(reference(rule, replicas), reference(stashed))) > 1e-6
+
+
+def test_the_callers_model_is_left_alone():
+    """Workers train copies: the model passed in keeps its weights (a shared-memory regression)."""
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pipetrain.train(model, dataset(), loss_fn=torch.nn.functional.mse_loss,
+                    optimizer=functools.partial(torch.optim.SGD, lr=LR), stages=STAGES, batch_size=BATCH,
+                    shuffle=False, timeout=60)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -19,6 +19,7 @@ from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, Worker, epoch_order
 from pipetrain.schedule import FLUSH_SCHEDULES, Schedule, build_schedule
+from pipetrain.strategies import ReplicaAllreduce
 
 
 @dataclass
@@ -86,14 +87,20 @@ def _device() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def init_distributed(timeout: float) -> torch.device:
+    """Join the job's process group (NCCL when this worker has a GPU, else gloo); return the device."""
+    device, backend = _device()
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    return device
+
+
 def run_rank(cfg: JobConfig) -> dict[str, Any]:
     """Train this rank's stage; return its state, history (output stage) and trace, as plain data."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    device, backend = _device()
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
+    device = init_distributed(cfg.timeout)
     try:
         return _train(cfg, rank, world, device)
     finally:
@@ -121,8 +128,12 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
     policy = POLICIES[cfg.policy_name()](stage)
     policy.version = version
     transport = Transport(rank, edges(cfg.replicas), describe(cfg.replicas), device, cfg.timeout)
+    # every rank makes every replicated stage's group, in stage order, as new_group requires
+    groups = {s: dist.new_group(list(range(probe.first_worker(s), probe.first_worker(s) + r)))
+              for s, r in enumerate(cfg.replicas) if r > 1}
+    sync = ReplicaAllreduce(groups[stage_idx], cfg.replicas[stage_idx]) if stage_idx in groups else None
     worker = Worker(rank, stage, policy, optimizer, transport, cfg.dataset, cfg.loss_fn, cfg.batch_size,
-                    device, trace=[] if cfg.trace else None)
+                    device, grad_sync=sync, trace=[] if cfg.trace else None)
 
     n_items = len(cfg.dataset)  # type: ignore[arg-type]
     lcm = math.lcm(*cfg.replicas)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -34,11 +35,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, workdir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _child(rank: int, world: int, port: int, workdir: str, payload: bytes) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1")
     code = 0
     try:
+        fn, args = pickle.loads(payload)
         torch.save(fn(*args), Path(workdir) / f"result{rank}.pt")
     except BaseException as e:  # noqa: BLE001 - reported to the parent, then the process ends
         msg = f"{type(e).__name__}: {e}" if not isinstance(e, PipetrainError) else str(e)
@@ -60,8 +62,12 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[i
     """
     ctx = mp.get_context("spawn")
     port = _free_port()
+    # [Note: pickle by value] multiprocessing pickles Process arguments with torch's reducers, which
+    # move tensors to shared memory: every worker, and the caller's model, would then update one
+    # copy of the weights. Plain pickle gives each worker its own copy.
+    payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
-        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, fn, args), daemon=False)
+        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, payload), daemon=False)
                  for r in range(world)]
         for p in procs:
             p.start()

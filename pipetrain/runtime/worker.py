@@ -16,6 +16,7 @@ from pipetrain.layers import flatten, unflatten
 from pipetrain.runtime.transport import Message, Transport
 from pipetrain.runtime.weights import Live
 from pipetrain.schedule import Action, Schedule
+from pipetrain.strategies import ReplicaAllreduce
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -67,7 +68,8 @@ class Worker:
         optimizer: built over ``stage``'s parameters, or None for a stage without any.
         transport: connection to the neighbour stages.
         dataset, loss_fn, batch_size: as given to ``pipetrain.train``.
-        grad_sync: waits for a replicated stage's gradient exchange (``S`` actions), or None.
+        grad_sync: a replicated stage's gradient synchronizer (``watch`` the weights a backward uses,
+            ``wait`` at the ``S`` action), or None.
     """
 
     rank: int
@@ -79,7 +81,7 @@ class Worker:
     loss_fn: Callable[[Any, Any], torch.Tensor]
     batch_size: int
     device: torch.device
-    grad_sync: Any = None
+    grad_sync: ReplicaAllreduce | None = None
     trace: list[tuple[str, float, float]] | None = None
     history: list[StepRecord] = field(default_factory=list)
     _flight: dict[tuple[int, int | None], _InFlight] = field(default_factory=dict)
@@ -117,7 +119,8 @@ class Worker:
         elif a.kind == "B":
             self._backward(a)
         elif a.kind == "S":
-            self.grad_sync.wait(a.mb)
+            self.grad_sync.wait()
+            self.policy.after_backward(a.mb)
         else:
             self._update(a)
 
@@ -163,8 +166,10 @@ class Worker:
     def _backward(self, a: Action) -> None:
         key = (a.mb, a.micro)
         f = self._flight.pop(key)
+        weights = self.policy.backward_weights(a.mb)
+        if self.grad_sync is not None:
+            self.grad_sync.watch(weights)
         if self.policy.recompute:  # naive: forward again with the weights current now
-            weights = self.policy.backward_weights(a.mb)
             x = f.raw_input[0] if self._last else f.raw_input
             out = functional_call(self.stage, weights, (x,))
             if self._last:
@@ -188,7 +193,8 @@ class Worker:
             floats = [t for t in f.inputs if t.is_floating_point()]
             grads_in = [torch.zeros_like(t) if t.grad is None else t.grad for t in floats]
             self._out[key] = Message(a.mb, a.micro, 0, grads_in, False)
-        if a.micro is None or a.micro == self._sched.microbatches - 1:
+        last_micro = a.micro is None or a.micro == self._sched.microbatches - 1
+        if last_micro and self.grad_sync is None:  # else at the S action, once the sync is done
             self.policy.after_backward(a.mb)
 
     def _update(self, a: Action) -> None:
@@ -198,10 +204,11 @@ class Worker:
         r = self._sched.replicas[self._sched.stage_of(self.rank)]
         self.policy.updated(r)
         if self._last:
+            # one record per minibatch: a replica of the output stage records its own minibatches
             now = time.perf_counter()
-            samples = self.batch_size * r
             self.history.append(StepRecord(self._offset + a.mb + 1, self._epoch, self._losses.pop(a.mb),
-                                           samples, samples / max(now - self._last_step_t, 1e-9), now))
+                                           self.batch_size, self.batch_size / max(now - self._last_step_t, 1e-9),
+                                           now))
             self._last_step_t = now
 
 
