@@ -1,0 +1,294 @@
+"""Peer systems to benchmark pipetrain against: PyTorch DDP and ``torch.distributed.pipelining``.
+
+Each runner is one rank of a job, configured like torchrun: RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT come from the environment. So the same function runs under
+:func:`pipetrain.runtime.launch.spawn` on loopback, under :meth:`EmulatedCluster.spawn` (one rank per
+namespace host), or under torchrun (``python -c`` calling it). Each trains a zoo model on synthetic
+data and returns plain data (see :func:`_measure`):
+
+* ``samples_per_s``: the median over timed windows of the job's samples per second, after warm-up
+  steps; ``window_samples_per_s`` holds every window. Windows end with a barrier, so every rank
+  reports the same job-wide rate.
+* ``counted_bytes_per_sample``: bytes this worker sends per sample of the job, from the tensor sizes
+  (see each runner for the formula). ``iface_bytes_per_sample``: the same read from the network
+  interface's tx counter, when there is one per worker (``GLOO_SOCKET_IFNAME`` other than ``lo``, as in
+  the emulated cluster); None on loopback, where every rank shares ``lo``.
+
+A sample is one sample of the job's minibatch (``batch_size``, the samples of one optimizer update for
+the whole job), so data-parallel and pipeline numbers compare directly.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.layers import LayeredModel, check_boundaries
+from pipetrain.zoo import SPECS, ModelSpec
+
+
+@dataclass
+class PeerConfig:
+    """What every peer runner trains and how it times it.
+
+    Attributes:
+        model: a :data:`pipetrain.zoo.SPECS` name.
+        model_kwargs: the model factory's size knobs.
+        batch_size: samples per optimizer update of the whole job (split across data-parallel workers,
+            or into microbatches by a pipeline).
+        warmup: untimed steps first (allocations, gloo connections, pipelining's shape exchange).
+        windows: timed windows; the reported rate is their median.
+        steps_per_window: optimizer steps per window.
+        lr: SGD learning rate.
+        seed: model initialisation and data.
+        threads: torch threads per worker.
+        timeout_s: how long a collective or p2p operation may wait on a peer.
+        iface: network interface whose tx counter is read; default ``GLOO_SOCKET_IFNAME`` unless ``lo``.
+    """
+
+    model: str = "vgg-like"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 32
+    warmup: int = 2
+    windows: int = 3
+    steps_per_window: int = 2
+    lr: float = 0.01
+    seed: int = 0
+    threads: int = 1
+    timeout_s: float = 300.0
+    iface: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model not in SPECS:
+            raise ValueError(f"model={self.model!r} is not in the zoo; choose one of {sorted(SPECS)}")
+        for name in ("batch_size", "windows", "steps_per_window", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be at least 0")
+
+    @property
+    def spec(self) -> ModelSpec:
+        return SPECS[self.model]
+
+    def build(self) -> nn.Module:
+        """The model, initialised identically on every rank."""
+        torch.manual_seed(self.seed)
+        return self.spec.factory(**self.model_kwargs)
+
+
+def ddp(cfg: PeerConfig, fp16: bool = False) -> dict[str, Any]:
+    """One rank of BSP data parallelism with ``DistributedDataParallel`` over gloo.
+
+    Each of the M workers takes ``batch_size / M`` samples per step; gradients are averaged by
+    allreduce (gloo's ring for CPU tensors), optionally compressed to fp16 by DDP's
+    ``fp16_compress_hook``. Counted bytes: a ring allreduce of G gradient bytes sends
+    ``2 (M-1)/M * G`` per worker (Patarasuk and Yuan 2009), per step of ``batch_size`` samples; buffers
+    DDP broadcasts (BatchNorm statistics) are left out.
+
+    Raises:
+        ValueError: ``batch_size`` is not divisible by the world size.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = _init(cfg)
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the {world} data-parallel workers")
+    local = cfg.batch_size // world
+    model = DistributedDataParallel(cfg.build())
+    if fp16:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    batches = _batches(cfg, local, seed=cfg.seed + 1 + rank)
+    loss = torch.zeros(())
+
+    def step(i: int) -> None:
+        nonlocal loss
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        loss = cfg.spec.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+
+    grad_bytes = sum(p.numel() * (2 if fp16 else p.element_size()) for p in model.parameters() if p.requires_grad)
+    counted = 2 * (world - 1) / world * grad_bytes / cfg.batch_size
+    out = _measure(cfg, step, counted, list(model.parameters()))
+    out.update(runner="ddp-fp16" if fp16 else "ddp", loss=float(loss.detach()), grad_bytes=grad_bytes)
+    return _finish(out)
+
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def torch_pipeline(cfg: PeerConfig, stages: Sequence[int], microbatches: int = 4,
+                   schedule: str = "1f1b") -> dict[str, Any]:
+    """One rank (= one stage) of a ``torch.distributed.pipelining`` job with a flush every minibatch.
+
+    The model is cut as pipetrain cuts it (:class:`pipetrain.layers.LayeredModel`; ``stages`` are the
+    first layer indices, one stage per rank) and each piece wrapped in a ``PipelineStage`` given its
+    input and output shapes, run by ``Schedule1F1B`` or ``ScheduleGPipe``. Counted bytes: per sample,
+    the activations a stage sends forward plus the input gradients it sends back (p2p, sent once).
+
+    Raises:
+        ValueError: bad ``stages``, ``schedule`` or ``microbatches`` for this world size and batch.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
+    rank, world = _init(cfg)
+    bounds = [int(b) for b in stages]
+    model = cfg.build()
+    layers = LayeredModel(model)
+    check_boundaries(bounds, len(layers))
+    if len(bounds) != world:
+        raise ValueError(f"stages={bounds} has {len(bounds)} stages but WORLD_SIZE is {world}; "
+                         "one rank per stage")
+    if cfg.batch_size % microbatches:
+        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by microbatches={microbatches}")
+    if schedule == "1f1b" and microbatches < world:
+        raise ValueError(f"1f1b needs microbatches >= stages ({world}); got {microbatches}")
+    pieces = [_Splat(s) for s in layers.stages(bounds)]
+    batches = _batches(cfg, cfg.batch_size, seed=cfg.seed + 1)
+    # Every rank holds the whole (small) model at first, so each can find its stage's shapes locally.
+    mb = cfg.batch_size // microbatches
+    with torch.no_grad():
+        value: Any = batches[0][0][:mb]
+        for piece in pieces[:rank]:
+            value = piece(*_as_tuple(value))
+        inputs = _as_tuple(value)
+        outputs = _as_tuple(pieces[rank](*inputs))
+    # [Note: static stage metadata] PipelineStage copies requires_grad from these examples. Made under
+    # no_grad they say no gradient crosses the cut: torch 2.13 then fails with an empty RuntimeError,
+    # or, when some rank also lacks a loss_fn, skips the gradient sends and earlier stages never learn.
+    inputs = tuple(t.requires_grad_(rank > 0 and t.is_floating_point()) for t in inputs)
+    outputs = tuple(t.requires_grad_(t.is_floating_point()) for t in outputs)
+    stage = PipelineStage(pieces[rank], rank, world, torch.device("cpu"), input_args=inputs,
+                          output_args=outputs)
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    # Every rank passes loss_fn: a schedule without one runs forward only ("has_backward" is derived
+    # from it), and the first stage would then never wait for gradients; with gloo, a hang.
+    sched = cls(stage, microbatches, loss_fn=cfg.spec.loss_fn)
+    opt = torch.optim.SGD(pieces[rank].parameters(), lr=cfg.lr)
+    losses: list[torch.Tensor] = []
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        losses.clear()
+        if rank == 0:
+            sched.step(x, return_outputs=False)
+        elif rank == world - 1:
+            sched.step(target=y, losses=losses, return_outputs=False)
+        else:
+            sched.step(return_outputs=False)
+        opt.step()
+
+    def nbytes(ts: tuple[torch.Tensor, ...]) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    sent_forward = nbytes(outputs) if rank < world - 1 else 0
+    sent_back = nbytes(tuple(t for t in inputs if t.is_floating_point())) if rank > 0 else 0
+    out = _measure(cfg, step, (sent_forward + sent_back) / mb, list(pieces[rank].parameters()))
+    out.update(runner=f"torch-{schedule}", stages=bounds, microbatches=microbatches,
+               loss=float(torch.stack(losses).detach().mean()) if losses else None,
+               params=sum(p.numel() for p in pieces[rank].parameters()))
+    return _finish(out)
+
+
+class _Splat(nn.Module):
+    """A stage called as ``stage(*tensors)`` (PipelineStage's convention) around one taking a tuple."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        out = self.inner(xs[0] if len(xs) == 1 else xs)
+        # torch's p2p sends need contiguous tensors; a stage may end in a view (a transpose, say).
+        return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+
+
+def _as_tuple(v: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+def _init(cfg: PeerConfig) -> tuple[int, int]:
+    torch.set_num_threads(cfg.threads)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _batches(cfg: PeerConfig, n: int, seed: int, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A few synthetic minibatches to cycle through (made up front: data loading is not measured)."""
+    x, y = cfg.spec.dataset(n * count, seed=seed)[:]
+    return [(x[i * n:(i + 1) * n], y[i * n:(i + 1) * n]) for i in range(count)]
+
+
+def _tx_bytes(cfg: PeerConfig) -> int | None:
+    iface = cfg.iface or os.environ.get("GLOO_SOCKET_IFNAME")
+    if not iface or iface == "lo":
+        return None
+    f = Path("/sys/class/net") / iface / "statistics" / "tx_bytes"
+    return int(f.read_text()) if f.exists() else None
+
+
+def _measure(cfg: PeerConfig, step: Callable[[int], None], counted_bytes_per_sample: float,
+             params: list[torch.Tensor]) -> dict[str, Any]:
+    """Warm up, then time ``cfg.windows`` windows of steps, each closed by a barrier.
+
+    Also reports ``update_norm``, how far this worker's ``params`` moved: zero means it never learned.
+    """
+    before = [p.detach().clone() for p in params]
+    i = 0
+    for _ in range(cfg.warmup):
+        step(i)
+        i += 1
+    dist.barrier()
+    tx0 = _tx_bytes(cfg)
+    rates = []
+    for _ in range(cfg.windows):
+        t0 = time.perf_counter()
+        for _ in range(cfg.steps_per_window):
+            step(i)
+            i += 1
+        dist.barrier()
+        rates.append(cfg.steps_per_window * cfg.batch_size / (time.perf_counter() - t0))
+    tx1 = _tx_bytes(cfg)
+    timed_samples = cfg.windows * cfg.steps_per_window * cfg.batch_size
+    return {
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "model": cfg.model,
+        "batch_size": cfg.batch_size, "threads": cfg.threads,
+        "samples_per_s": statistics.median(rates), "window_samples_per_s": rates,
+        "counted_bytes_per_sample": float(counted_bytes_per_sample),
+        "iface_bytes_per_sample": None if tx0 is None or tx1 is None else (tx1 - tx0) / timed_samples,
+        "update_norm": float(sum(((p.detach() - b) ** 2).sum() for p, b in zip(params, before)) ** 0.5),
+    }
+
+
+def _finish(out: dict[str, Any]) -> dict[str, Any]:
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One job's numbers from its ranks' results: the job rate and per-worker bytes per sample."""
+    first = results[0]
+    return {
+        "runner": first["runner"], "model": first["model"], "world": first["world"],
+        "samples_per_s": first["samples_per_s"], "window_samples_per_s": first["window_samples_per_s"],
+        "counted_bytes_per_sample": [r["counted_bytes_per_sample"] for r in results],
+        "iface_bytes_per_sample": [r["iface_bytes_per_sample"] for r in results],
+    }
