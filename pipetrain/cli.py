@@ -82,18 +82,31 @@ def cmd_train(args: argparse.Namespace) -> None:
     model = _call_factory(args.model)
     dataset = _call_factory(args.data)
     result = pipetrain.train(
-        model, dataset, loss_fn=_loss(args.loss), optimizer=_optimizer(args), stages=_ints(args.stages),
-        schedule=args.schedule, vertical_sync=args.vertical_sync, batch_size=args.batch_size,
+        model, dataset, loss_fn=_loss(args.loss), optimizer=_optimizer(args),
+        stages=_ints(args.stages) if args.stages else args.plan, workers=args.workers,
+        bandwidth=args.bandwidth, schedule=args.schedule, vertical_sync=args.vertical_sync, batch_size=args.batch_size,
         microbatches=args.microbatches, epochs=args.epochs, shuffle=not args.no_shuffle, seed=args.seed,
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout=args.timeout,
         trace=args.trace or False, progress=True)
     last = result.history[-1] if result.history else {"loss": float("nan")}
-    print(f"final loss {last['loss']:.4f}, {result.samples_per_s:.1f} samples/s")
+    print(f"final loss {last['loss']:.4f}")
+    _report_speed(result)
     if args.save:
         torch.save(result.model.state_dict(), args.save)
         print(f"saved the trained model's state_dict to {args.save}")
     if args.trace:
         print(f"wrote {args.trace}/trace.json and {args.trace}/timeline.png")
+
+
+def _report_speed(result: Any) -> None:
+    """Measured samples/s, beside the plan's prediction when a plan placed the stages."""
+    if result.plan is not None:
+        stages = ", ".join(f"layers {s.first_layer}-{s.last_layer} x{s.replicas}" for s in result.plan.stages)
+        print(f"plan {result.plan.config} ({stages}), NOAM {result.plan.noam}")
+        predicted = f"{result.predicted_samples_per_s:.0f}" if result.predicted_samples_per_s else "-"
+        print(f"samples/s: predicted {predicted}, measured {result.samples_per_s:.0f}")
+    else:
+        print(f"samples/s: measured {result.samples_per_s:.0f}")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -102,19 +115,21 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     train_set, test_set = data.digits("train"), data.digits("test")
     model = zoo.digits_cnn()
-    print(f"pipetrain demo: {type(model).__name__} on scikit-learn digits ({len(train_set)} train / "
-          f"{len(test_set)} held out), 4 workers, schedule pipedream")
+    print(f"pipetrain demo: a small CNN on scikit-learn digits ({len(train_set)} train / {len(test_set)} "
+          f"held out); profiling, then planning 4 workers for a {args.bandwidth} network; schedule pipedream")
     t0 = time.perf_counter()
     result = pipetrain.train(
         model, train_set, loss_fn=torch.nn.functional.cross_entropy,
-        optimizer=functools.partial(torch.optim.SGD, lr=0.1), stages=[0, 2, 5, 8],
-        schedule="pipedream", batch_size=32, epochs=args.epochs, seed=0, progress=True)
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1), stages="auto", workers=4,
+        bandwidth=args.bandwidth, schedule="pipedream", batch_size=32, epochs=args.epochs, seed=0,
+        progress=True)
     with torch.no_grad():
         x, y = test_set.tensors
         accuracy = (result.model(x).argmax(1) == y).float().mean().item()
     print(f"final training loss {result.history[-1]['loss']:.4f}")
     print(f"held-out accuracy {accuracy:.1%} (chance 10%)")
-    print(f"throughput {result.samples_per_s:.0f} samples/s; wall time {time.perf_counter() - t0:.1f}s")
+    _report_speed(result)
+    print(f"wall time {time.perf_counter() - t0:.1f}s")
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -168,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train MODULE:FACTORY as a pipeline")
     p.add_argument("model", help="MODULE:FACTORY returning the nn.Module (or the module itself)")
     p.add_argument("--data", required=True, help="MODULE:FACTORY returning a map-style Dataset of (input, target)")
-    p.add_argument("--stages", required=True, help="first layer index of each stage, e.g. 0,2,4,6")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--stages", help="first layer index of each stage, one worker each, e.g. 0,2,4,6")
+    where.add_argument("--plan", help="'auto' (profile, then plan for --workers) or a plan JSON from `pipetrain plan`")
+    p.add_argument("--workers", type=int, default=None, help="workers to plan for (--plan auto); checked against a plan file")
+    p.add_argument("--bandwidth", default="10Gbit", help="link speed --plan auto assumes, e.g. 1Gbit")
     p.add_argument("--loss", default="cross_entropy", help="torch.nn.functional name or MODULE:FUNCTION")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here")
     p.add_argument("--trace", default=None, metavar="DIR", help="write DIR/trace.json (Chrome trace) and DIR/timeline.png")
@@ -177,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train a small CNN on bundled digits over 4 local workers")
     p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--bandwidth", default="1Gbit", help="the network the automatic plan is made for")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("simulate", help="predict a pipeline's timeline and throughput from a profile")
     p.add_argument("profile", help="profile JSON (`pipetrain profile`) or a PipeDream graph.txt")

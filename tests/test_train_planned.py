@@ -1,0 +1,62 @@
+"""Profile, plan and run in one call; saved plans; plans that do not fit the model or the job."""
+import functools
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipetrain
+from pipetrain.data import regression
+from pipetrain.planning import Plan, StagePlan
+from pt_models import mlp
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = dict(loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+            batch_size=8, shuffle=False, timeout=60)
+
+
+def data():
+    return regression(64, 4, 3)
+
+
+def test_auto_profiles_plans_and_runs():
+    result = pipetrain.train(mlp(), data(), stages="auto", workers=3, bandwidth="1Gbit", **ARGS)
+    assert result.plan is not None and result.plan.workers == 3
+    assert result.plan.num_layers == 7
+    assert result.predicted_samples_per_s and result.predicted_samples_per_s > 0
+    lcm = math.lcm(*result.plan.replicas)  # minibatches not filling a round of replicas are dropped
+    assert len(result.history) == 8 // lcm * lcm and result.samples_per_s > 0
+
+
+def test_saved_plan_runs_with_replicas(tmp_path):
+    path = tmp_path / "plan.json"
+    Plan([StagePlan(0, 3, 2), StagePlan(4, 6, 1)], noam=2, stage_time_s=0.01, speedup_vs_one=1.5,
+         speedup_vs_dp=1.1).save(path)
+    result = pipetrain.train(mlp(), data(), stages=str(path), **ARGS)
+    assert result.plan.config == "2-1"
+    assert result.predicted_samples_per_s == pytest.approx(8 / 0.01)
+
+
+def test_plan_for_another_model_or_more_workers_is_refused(tmp_path):
+    path = tmp_path / "plan.json"
+    Plan([StagePlan(0, 3, 1), StagePlan(4, 8, 1)], noam=2, stage_time_s=0.01, speedup_vs_one=1.0,
+         speedup_vs_dp=1.0).save(path)
+    with pytest.raises(ValueError, match=f"{path}.*9 layers.*7"):
+        pipetrain.train(mlp(), data(), stages=str(path), **ARGS)
+    Plan([StagePlan(0, 3, 1), StagePlan(4, 6, 1)], noam=2, stage_time_s=0.01, speedup_vs_one=1.0,
+         speedup_vs_dp=1.0).save(path)
+    with pytest.raises(ValueError, match="places 2 workers but workers=4 was asked for"):
+        pipetrain.train(mlp(), data(), stages=str(path), workers=4, **ARGS)
+    with pytest.raises(ValueError, match="needs workers=N"):
+        pipetrain.train(mlp(), data(), stages="auto", **ARGS)
+
+
+def test_cli_plan_auto_prints_predicted_beside_measured():
+    r = subprocess.run([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
+                        "examples.mlp_job:data", "--plan", "auto", "--workers", "2", "--loss", "mse_loss",
+                        "--batch-size", "16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "samples/s: predicted" in r.stdout and "measured" in r.stdout
