@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ class TrainResult:
         traces: per rank, ``(action, start, end)`` records when ``trace=True`` (perf_counter seconds).
         plan: the plan that placed the stages, when one did (``"auto"``, a Plan or a plan file).
         predicted_samples_per_s: the plan's prediction, batch size / its slowest stage's time.
+        started: ``time.perf_counter()`` when ``train`` was called; on one machine it shares the clock
+            of the history's ``time`` (so ``h["time"] - started`` is wall time since the call).
     """
 
     model: nn.Module
@@ -42,13 +45,15 @@ class TrainResult:
     traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
     plan: Plan | None = None
     predicted_samples_per_s: float | None = None
+    started: float = 0.0
 
 
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
           optimizer: Callable[..., torch.optim.Optimizer], stages: Sequence[int] | Plan | str | os.PathLike,
           workers: int | None = None, bandwidth: float | str = "10Gbit", schedule: str = "pipedream", vertical_sync: bool = False, batch_size: int = 32,
           microbatches: int = 1, epochs: int = 1, shuffle: bool = True, seed: int = 0,
-          checkpoint_dir: str | os.PathLike | None = None, resume: bool = False, timeout: float = 300.0,
+          checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
+          keep_checkpoints: int | None = 2, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False,
           progress: bool = False) -> TrainResult:
     """Train ``model`` on ``dataset`` as a pipeline, one worker process per stage.
@@ -70,7 +75,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
         checkpoint_dir: where each stage saves itself after every epoch; ``resume=True`` restarts
-            from the newest epoch all stages completed.
+            from the newest epoch all stages completed; each worker keeps its ``keep_checkpoints``
+            newest epochs (at least 2; None keeps all, e.g. to evaluate every epoch later with
+            ``pipetrain.load_checkpoint``).
         timeout: seconds a worker waits on a silent peer before failing.
         threads: torch threads per worker (default: cores / workers).
         trace: record each action's start and end on every worker (``result.traces``); a directory
@@ -81,6 +88,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         ValueError: bad arguments (one line says which and what to do).
         PipetrainError: a worker failed; the message names it.
     """
+    started = time.perf_counter()
     layers = LayeredModel(model)
     chosen = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, batch_size, bandwidth,
                            _threads(threads, workers or 1), timeout)
@@ -89,7 +97,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     check_boundaries(boundaries, len(layers))
     world = sum(replicas)
     _check_args(schedule, vertical_sync, batch_size, microbatches, epochs, len(dataset),  # type: ignore[arg-type]
-                math.lcm(*replicas), checkpoint_dir, resume)
+                math.lcm(*replicas), checkpoint_dir, resume, keep_checkpoints)
     if vertical_sync and world != len(replicas):
         raise ValueError(f"vertical_sync needs one worker per stage; this plan replicates stages {replicas}")
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
@@ -97,13 +105,15 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
                          f"needs {world}; launch with --nproc-per-node/--nnodes giving {world} in all")
     cfg = JobConfig(model, dataset, loss_fn, optimizer, boundaries, replicas, schedule, vertical_sync,
                     batch_size, microbatches, epochs, shuffle, seed,
-                    None if checkpoint_dir is None else str(checkpoint_dir), resume, timeout, _threads(threads, world),
+                    None if checkpoint_dir is None else str(checkpoint_dir), resume, keep_checkpoints, timeout,
+                    _threads(threads, world),
                     bool(trace), progress)
     if under_torchrun():
         parts = run_rank(cfg)["parts"]
     else:
         parts = spawn(run_rank, world, (cfg,), describe=describe(replicas))
     result = _gather(model, parts)
+    result.started = started
     if chosen is not None:
         result.plan = chosen
         result.predicted_samples_per_s = batch_size / chosen.stage_time_s if chosen.stage_time_s > 0 else None
@@ -184,7 +194,7 @@ def _profile_and_plan(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
 
 
 def _check_args(schedule: str, vertical_sync: bool, batch_size: int, microbatches: int, epochs: int,
-                n_items: int, lcm: int, checkpoint_dir: Any, resume: bool) -> None:
+                n_items: int, lcm: int, checkpoint_dir: Any, resume: bool, keep: int | None) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if vertical_sync and schedule != "pipedream":
@@ -201,6 +211,9 @@ def _check_args(schedule: str, vertical_sync: bool, batch_size: int, microbatche
     if n_items < batch_size * lcm:
         raise ValueError(f"the dataset has {n_items} items, fewer than one round of minibatches "
                          f"({batch_size * lcm}); use a smaller batch_size")
+    if keep is not None and keep < 2:
+        raise ValueError(f"keep_checkpoints={keep}: keep at least 2 (a worker may be one epoch ahead of "
+                         "another, so resuming needs the previous epoch) or None for all")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir (where the stages saved themselves)")
 

@@ -56,3 +56,13 @@ def test_resume_with_other_stages_is_refused(tmp_path):
     train(epochs=1, checkpoint_dir=tmp_path)
     with pytest.raises(pipetrain.PipetrainError, match="holds layers .* resume with the same stages"):
         train(epochs=2, checkpoint_dir=tmp_path, resume=True, stages=[0, 1, 4, 6])
+
+
+def test_keep_all_and_assemble_any_epoch(tmp_path):
+    result = train(epochs=3, checkpoint_dir=tmp_path, keep_checkpoints=None)
+    assert {r: sorted(e) for r, e in checkpoint.epochs_saved(tmp_path).items()} == {r: [0, 1, 2] for r in range(4)}
+    assert_same_model(pipetrain.load_checkpoint(mlp(), tmp_path), result.model)
+    first = pipetrain.load_checkpoint(mlp(), tmp_path, epoch=0)
+    assert_same_model(first, train(epochs=1).model)
+    with pytest.raises(ValueError, match="keep at least 2"):
+        train(checkpoint_dir=tmp_path, keep_checkpoints=1)

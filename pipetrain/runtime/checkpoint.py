@@ -8,12 +8,14 @@ ahead of another, so the newest common epoch is always on disk.
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 KEEP = 2
 _NAME = re.compile(r"^w(\d+)-epoch(\d+)\.pt$")
@@ -27,15 +29,17 @@ def path(directory: str | os.PathLike, rank: int, epoch: int) -> Path:
     return Path(directory) / f"w{rank}-epoch{epoch}.pt"
 
 
-def save(directory: str | os.PathLike, rank: int, epoch: int, state: dict[str, Any]) -> None:
-    """Write ``state`` for (rank, epoch) atomically, then drop this worker's older epochs beyond KEEP."""
+def save(directory: str | os.PathLike, rank: int, epoch: int, state: dict[str, Any], keep: int | None = KEEP) -> None:
+    """Write ``state`` for (rank, epoch) atomically, then drop this worker's epochs older than its
+    ``keep`` newest (None keeps every epoch)."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     final = path(directory, rank, epoch)
     tmp = final.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, final)
-    for old in sorted(epochs_saved(directory).get(rank, []))[:-KEEP]:
-        path(directory, rank, old).unlink(missing_ok=True)
+    if keep is not None:
+        for old in sorted(epochs_saved(directory).get(rank, []))[:-keep]:
+            path(directory, rank, old).unlink(missing_ok=True)
 
 
 def epochs_saved(directory: str | os.PathLike) -> dict[int, list[int]]:
@@ -64,3 +68,24 @@ def load(directory: str | os.PathLike, rank: int, epoch: int, layers: tuple[int,
                               f"puts layers {layers} on rank {rank}; resume with the same stages or use a new "
                               "checkpoint directory")
     return state
+
+
+def assemble(model: nn.Module, directory: str | os.PathLike, epoch: int | None = None) -> nn.Module:
+    """A copy of ``model`` with the weights every stage saved for ``epoch`` (default: the newest epoch
+    all workers completed), e.g. to evaluate or deploy a checkpointed run.
+
+    Raises:
+        CheckpointError: no epoch that every worker saved.
+    """
+    saved = epochs_saved(directory)
+    world = max(saved, default=-1) + 1
+    epoch = latest_common_epoch(directory, world) if epoch is None else epoch
+    if epoch is None or any(epoch not in saved.get(r, []) for r in range(world)):
+        raise CheckpointError(f"{directory}: no epoch {'' if epoch is None else epoch} saved by all {world} "
+                              "workers; train with checkpoint_dir set (keep_checkpoints=None keeps every epoch)")
+    state: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        state.update(torch.load(path(directory, r, epoch), map_location="cpu", weights_only=True)["model"])
+    full = copy.deepcopy(model)
+    full.load_state_dict(state)
+    return full

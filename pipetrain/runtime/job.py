@@ -41,6 +41,7 @@ class JobConfig:
     seed: int
     checkpoint_dir: str | None
     resume: bool
+    keep_checkpoints: int | None
     timeout: float
     threads: int
     trace: bool
@@ -153,7 +154,7 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
         if cfg.checkpoint_dir:
             checkpoint.save(cfg.checkpoint_dir, rank, epoch, {
                 "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
-                "epoch": epoch, "version": policy.version, "layers": list(span)})
+                "epoch": epoch, "version": policy.version, "layers": list(span)}, keep=cfg.keep_checkpoints)
     if bar:
         bar.close()
     transport.close()
