@@ -35,6 +35,8 @@ class TrainResult:
         traces: per rank, ``(action, start, end)`` records when ``trace=True`` (perf_counter seconds).
         plan: the plan that placed the stages, when one did (``"auto"``, a Plan or a plan file).
         predicted_samples_per_s: the plan's prediction, batch size / its slowest stage's time.
+        bytes_sent: per rank, tensor bytes it sent to other workers (activations, gradients, and its
+            share of a replicated stage's allreduce, estimated as a ring's 2(r-1)/r).
         started: ``time.perf_counter()`` when ``train`` was called; on one machine it shares the clock
             of the history's ``time`` (so ``h["time"] - started`` is wall time since the call).
     """
@@ -46,6 +48,7 @@ class TrainResult:
     plan: Plan | None = None
     predicted_samples_per_s: float | None = None
     started: float = 0.0
+    bytes_sent: list[int] = field(default_factory=list)
 
 
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -233,4 +236,5 @@ def _gather(model: nn.Module, parts: list[dict[str, Any]]) -> TrainResult:
     if len(history) > 1 and history[-1]["time"] > history[0]["time"]:
         # history times are one process's clock: the output stage's (one replica of it)
         speed = sum(h["samples"] for h in history[1:]) / (history[-1]["time"] - history[0]["time"])
-    return TrainResult(full, history, speed, [part["trace"] for part in parts])
+    return TrainResult(full, history, speed, [part["trace"] for part in parts],
+                       bytes_sent=[part["bytes_sent"] for part in parts])

@@ -65,6 +65,9 @@ def run(schedule: str, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
                 stages=STAGES, schedule=schedule, batch_size=BATCH, epochs=1, shuffle=False, seed=0, timeout=60)
     result = pipetrain.train(mlp(), dataset(), **{**args, **kw})
     assert [h["step"] for h in result.history] == list(range(1, N_MB + 1))
+    if schedule == "model-parallel":  # activations (B x 6 float64) forward, same-sized gradients back
+        cut = BATCH * 6 * 8 * N_MB
+        assert result.bytes_sent == [cut, 2 * cut, 2 * cut, cut]
     return [(m.weight.detach(), m.bias.detach()) for m in result.model if isinstance(m, torch.nn.Linear)]
 
 

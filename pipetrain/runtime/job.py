@@ -159,7 +159,8 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
         bar.close()
     transport.close()
     result = {"rank": rank, "state": {k: v.detach().cpu() for k, v in stage.state_dict().items()},
-              "history": [asdict(h) for h in worker.history], "trace": worker.trace or []}
+              "history": [asdict(h) for h in worker.history], "trace": worker.trace or [],
+              "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0)}
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":  # torchrun: every rank gets every rank's part
         parts: list[Any] = [None] * world
         dist.all_gather_object(parts, result)

@@ -88,6 +88,7 @@ class Transport:
         self._closed: set[int] = set()
         self._out: dict[int, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
+        self.bytes_sent = 0  # tensor payload, headers excluded; updated by the compute thread
         for (src, dst), group in self._groups.items():
             if src == rank:
                 self._out[dst] = queue.Queue()
@@ -144,6 +145,7 @@ class Transport:
         if peer in self._errors:
             self._raise(peer, f"sending minibatch {msg.mb}")
         tensors = [t.detach().contiguous() for t in msg.tensors]
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         self._out[peer].put(Message(msg.mb, msg.micro, msg.version, tensors, msg.is_tuple))
 
     def recv(self, peer: int, mb: int, micro: int | None, what: str) -> Message:

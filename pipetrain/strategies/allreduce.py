@@ -28,6 +28,7 @@ class ReplicaAllreduce:
     def __init__(self, group: dist.ProcessGroup, replicas: int) -> None:
         self.group, self.replicas = group, replicas
         self._pending: list[tuple[torch.Tensor, dist.Work]] = []
+        self.bytes_sent = 0  # estimated: a ring allreduce sends 2(r-1)/r of the tensor per worker
 
     def watch(self, weights: dict[str, torch.Tensor]) -> None:
         """Start an allreduce for each of ``weights`` as soon as its gradient is accumulated."""
@@ -39,6 +40,7 @@ class ReplicaAllreduce:
 
     def _start(self, t: torch.Tensor) -> None:
         assert t.grad is not None
+        self.bytes_sent += 2 * (self.replicas - 1) * t.grad.numel() * t.grad.element_size() // self.replicas
         self._pending.append((t, dist.all_reduce(t.grad, group=self.group, async_op=True)))
 
     def wait(self) -> None:
