@@ -47,29 +47,18 @@ class Untraceable(nn.Module):
         return -self.lin(x)
 
 
-class DieAt(nn.Module):
-    """Identity that kills its process (as a crash would) on its ``n``-th forward."""
+class FaultAt(nn.Module):
+    """Identity that fails on its ``n``-th forward: ``die`` ends the process as a crash would,
+    ``hang`` stops answering."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, how: str) -> None:
         super().__init__()
-        self.n, self.calls = n, 0
+        self.n, self.how, self.calls = n, how, 0
 
     def forward(self, x):
         self.calls += 1
-        if self.calls == self.n:
+        if self.calls == self.n and self.how == "die":
             os._exit(3)
-        return x
-
-
-class HangAt(nn.Module):
-    """Identity that stops answering (sleeps) on its ``n``-th forward."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.calls = n, 0
-
-    def forward(self, x):
-        self.calls += 1
         if self.calls == self.n:
             time.sleep(3600)
         return x

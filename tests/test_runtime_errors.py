@@ -8,7 +8,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.data import regression
-from pt_models import DieAt, HangAt, Untraceable, mlp, nan_loss
+from pt_models import FaultAt, Untraceable, mlp, nan_loss
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
 MSE = torch.nn.functional.mse_loss
@@ -72,12 +72,12 @@ def with_fault(fault: nn.Module) -> nn.Sequential:
 def test_dead_peer_is_named():
     t0 = time.monotonic()
     with pytest.raises(pipetrain.PipetrainError, match=r"stage 1 \(rank 1\)"):
-        train(model=with_fault(DieAt(3)), stages=[0, 2, 5, 7])
+        train(model=with_fault(FaultAt(3, "die")), stages=[0, 2, 5, 7])
     assert time.monotonic() - t0 < 30
 
 
 def test_silent_peer_times_out_and_is_named():
     t0 = time.monotonic()
     with pytest.raises(pipetrain.PipetrainError, match=r"stage 1 \(rank 1\) went silent: nothing for 3s"):
-        train(model=with_fault(HangAt(3)), stages=[0, 2, 5, 7], timeout=3)
+        train(model=with_fault(FaultAt(3, "hang")), stages=[0, 2, 5, 7], timeout=3)
     assert time.monotonic() - t0 < 30  # and no process is left: spawn() kills them before raising

@@ -10,17 +10,21 @@ _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ki|mi|gi|ti|k
                        r"(bits?|bytes?|b)?(/s|ps)?\s*$", re.IGNORECASE)
 
 
-def _parse(text: str | float, what: str, example: str) -> tuple[float, str]:
-    """(value times its prefix, unit) where unit is ``bit``, ``byte`` or ``""`` (a bare number)."""
+def _parse(text: str | float, what: str, example: str) -> float:
+    """Bytes (per second) from a quantity: the prefix applied, bits turned into bytes; must be > 0."""
     if isinstance(text, (int, float)):
-        return float(text), ""
-    m = _QUANTITY.match(text)
-    if not m or (m.group(2) and not m.group(3)):
-        raise ValueError(f"cannot read {what} {text!r}; write it like {example}")
-    number, prefix, unit = float(m.group(1)), (m.group(2) or "").lower(), m.group(3) or ""
-    # "Gb" is bits and "GB" bytes, as in networking; spelled-out "bit"/"byte" may take any case.
-    is_bits = unit.lower().startswith("bit") or unit == "b"
-    return number * _PREFIX[prefix], ("bit" if is_bits else "byte" if unit else "")
+        value = float(text)
+    else:
+        m = _QUANTITY.match(text)
+        if not m or (m.group(2) and not m.group(3)):
+            raise ValueError(f"cannot read {what} {text!r}; write it like {example}")
+        number, prefix, unit = float(m.group(1)), (m.group(2) or "").lower(), m.group(3) or ""
+        # "Gb" is bits and "GB" bytes, as in networking; spelled-out "bit"/"byte" may take any case.
+        is_bits = unit.lower().startswith("bit") or unit == "b"
+        value = number * _PREFIX[prefix] / (8 if is_bits else 1)
+    if value <= 0:
+        raise ValueError(f"{what} {text!r} must be positive")
+    return value
 
 
 def parse_bandwidth(text: str | float) -> float:
@@ -30,11 +34,7 @@ def parse_bandwidth(text: str | float) -> float:
     Raises:
         ValueError: not a bandwidth, or not positive.
     """
-    value, unit = _parse(text, "bandwidth", "10Gbit, 100Mbit or 1.25GB/s")
-    value = value / 8 if unit == "bit" else value
-    if value <= 0:
-        raise ValueError(f"bandwidth {text!r} must be positive")
-    return value
+    return _parse(text, "bandwidth", "10Gbit, 100Mbit or 1.25GB/s")
 
 
 def parse_bytes(text: str | float) -> float:
@@ -43,11 +43,7 @@ def parse_bytes(text: str | float) -> float:
     Raises:
         ValueError: not a size, or not positive.
     """
-    value, unit = _parse(text, "size", "16GiB or 512MB")
-    value = value / 8 if unit == "bit" else value
-    if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return value
+    return _parse(text, "size", "16GiB or 512MB")
 
 
 def format_bandwidth(bytes_per_s: float) -> str:

@@ -102,11 +102,12 @@ def run_rank(cfg: JobConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = init_distributed(cfg.timeout)
-    try:
-        return _train(cfg, rank, world, device)
-    finally:
-        if os.environ.get("PIPETRAIN_SPAWNED") != "1":
-            dist.destroy_process_group()
+    result = _train(cfg, rank, world, device)
+    # only after success: teardown with a dead peer can block, and on failure the launcher
+    # (ours or torchrun) stops every process anyway
+    if os.environ.get("PIPETRAIN_SPAWNED") != "1":
+        dist.destroy_process_group()
+    return result
 
 
 def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
