@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipetrain import _planning_cli  # here, not at the top: it imports this module
 
     _planning_cli.register(sub)
+    from pipetrain.bench import suite
+
+    suite.register(sub)
     return parser
 
 

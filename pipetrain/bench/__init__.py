@@ -1,5 +1,6 @@
 """Benchmarks: an emulated cluster (network namespaces + tc) and peer runners to compare against.
 
 ``cluster``: :class:`EmulatedCluster`, hosts with rate-limited links on one Linux machine.
-``peers``: PyTorch DDP and ``torch.distributed.pipelining`` runners measuring samples/s and bytes/sample.
+``peers``: job runners (pipetrain, PyTorch DDP, ``torch.distributed.pipelining``) measuring samples/s and bytes/sample.
+``suite``: ``pipetrain bench`` (also ``python -m pipetrain.bench``), every system side by side on one model and link.
 """

@@ -1,4 +1,5 @@
-"""Peer systems to benchmark pipetrain against: PyTorch DDP and ``torch.distributed.pipelining``.
+"""Runners for side-by-side benchmarks: pipetrain itself and its peers, PyTorch DDP and
+``torch.distributed.pipelining``.
 
 Each runner is one rank of a job, configured like torchrun: RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT come from the environment. So the same function runs under
@@ -20,8 +21,10 @@ the whole job), so data-parallel and pipeline numbers compare directly.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -204,6 +207,133 @@ def torch_pipeline(cfg: PeerConfig, stages: Sequence[int], microbatches: int = 4
                loss=float(torch.stack(losses).detach().mean()) if losses else None,
                params=sum(p.numel() for p in pieces[rank].parameters()))
     return _finish(out)
+
+
+def pipetrain_job(cfg: PeerConfig, schedule: str = "pipedream", stages: Sequence[int] | str = "auto",
+                  microbatches: int = 1, bandwidth: str | float = "1gbit", trace: bool = False) -> dict[str, Any]:
+    """One rank of a ``pipetrain.train`` job, timed from the job's own history.
+
+    The job trains one epoch of ``max(1, warmup) + windows * steps_per_window + 1`` minibatches, in
+    order, on the same synthetic data and SGD as the peers. [Note: timing pipetrain from its history]
+    ``train`` returns only after gathering the trained model to every rank (the whole model crosses the
+    network once more), so a timer around the call would count that. Instead the windows are cut from
+    ``result.history``, where ``time`` is when the output stage finished each optimizer step: window k
+    runs from the end of step ``warmup + k * steps_per_window - 1`` to the end of its last step. The
+    final minibatch is left out, as the pipeline drains there.
+
+    Args:
+        cfg: model, batch size, windows, threads; ``warmup`` counts minibatches (at least 1, whose
+            end starts the first window).
+        schedule: a :data:`pipetrain.schedule.SCHEDULES` name.
+        stages: first layer of each stage, ``"auto"`` (profile on rank 0 and plan for the world size
+            at ``bandwidth``), a ``Plan`` or a plan file.
+        microbatches: for ``gpipe`` and ``1f1b-flush``.
+        bandwidth: what the automatic plan assumes, e.g. ``"1gbit"`` (tc units read as bits/s).
+        trace: also return ``breakdown``: per rank, seconds per minibatch each action kind took inside
+            the windows: ``F``, ``B``, ``U`` compute (the forward includes taking a weight stash, the
+            backward handing its gradient to the live weights), ``RF``/``RB`` waiting for a neighbour,
+            ``SF``/``SB`` queueing a send.
+
+    Returns:
+        The keys :func:`_measure` returns (counted bytes: ``result.bytes_sent`` of this rank over every
+        sample trained; interface bytes: the tx counter, sampled by a thread and read at the first and
+        last window edge), and ``stages``, ``replicas``, ``plan``, ``predicted_samples_per_s``.
+    """
+    import pipetrain
+
+    # [Note: torchrun path under the local launcher] launch.spawn marks its children so that
+    # pipetrain.train skips the final all_gather; a benchmark rank is a torchrun-style rank whose
+    # caller needs the history on every rank, so drop the mark before train reads it.
+    os.environ.pop("PIPETRAIN_SPAWNED", None)
+    warmup = max(1, cfg.warmup)
+    steps = warmup + cfg.windows * cfg.steps_per_window + 1
+    data = cfg.spec.dataset(steps * cfg.batch_size, seed=cfg.seed + 1)
+    iface = cfg.iface or os.environ.get("GLOO_SOCKET_IFNAME")
+    sampler = _TxSampler(iface) if iface and iface != "lo" else None
+    try:
+        result = pipetrain.train(
+            cfg.build(), data, loss_fn=cfg.spec.loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr),
+            stages=stages if isinstance(stages, str) else [int(b) for b in stages],
+            workers=int(os.environ["WORLD_SIZE"]), bandwidth=bandwidth, schedule=schedule,
+            batch_size=cfg.batch_size, microbatches=microbatches, epochs=1, shuffle=False, seed=cfg.seed,
+            timeout=cfg.timeout_s, threads=cfg.threads, trace=trace)
+    finally:
+        if sampler:
+            sampler.stop()
+    times = [h["time"] for h in result.history]
+    if len(times) != steps:
+        raise RuntimeError(f"pipetrain recorded {len(times)} optimizer steps, expected {steps}")
+    spw = cfg.steps_per_window
+    edges = [times[warmup - 1 + k * spw] for k in range(cfg.windows + 1)]
+    rates = [sum(h["samples"] for h in result.history[warmup + k * spw:warmup + (k + 1) * spw]) / (b - a)
+             for k, (a, b) in enumerate(zip(edges, edges[1:]))]
+    timed = cfg.windows * spw * cfg.batch_size
+    rank = int(os.environ["RANK"])
+    with torch.no_grad():
+        moved = sum(float(((p - q) ** 2).sum()) for p, q in zip(result.model.parameters(), cfg.build().parameters()))
+    out: dict[str, Any] = {
+        "runner": schedule, "rank": rank, "world": int(os.environ["WORLD_SIZE"]), "model": cfg.model,
+        "batch_size": cfg.batch_size, "threads": cfg.threads, "microbatches": microbatches,
+        "samples_per_s": statistics.median(rates), "window_samples_per_s": rates,
+        "counted_bytes_per_sample": result.bytes_sent[rank] / (steps * cfg.batch_size),
+        "iface_bytes_per_sample": (sampler.at(edges[-1]) - sampler.at(edges[0])) / timed if sampler else None,
+        "update_norm": moved ** 0.5, "loss": result.history[-1]["loss"],
+        "stages": result.plan.boundaries if result.plan else [int(b) for b in stages],
+        "replicas": result.plan.replicas if result.plan else [1] * len(stages),
+        "plan": result.plan.to_dict() if result.plan else None,
+        "predicted_samples_per_s": result.predicted_samples_per_s,
+    }
+    if trace:
+        out["breakdown"] = [_breakdown(t, edges[0], edges[-1], cfg.windows * spw) for t in result.traces]
+    return out
+
+
+def _breakdown(records: Sequence[tuple[str, float, float]], start: float, end: float,
+               minibatches: int) -> dict[str, float]:
+    """Seconds per minibatch of each action kind (``F``, ``RB``, ...) inside ``[start, end]``."""
+    out: dict[str, float] = {}
+    for text, s, e in records:
+        overlap = min(e, end) - max(s, start)
+        if overlap > 0:
+            kind = text.rstrip("0123456789.")
+            out[kind] = out.get(kind, 0.0) + overlap / minibatches
+    return out
+
+
+class _TxSampler:
+    """A network interface's tx byte counter, read every ``interval_s`` by a thread, with the time.
+
+    Lets a job be measured inside windows that are known only afterwards (pipetrain's history).
+    Times are ``time.perf_counter`` (CLOCK_MONOTONIC, shared by every process on one machine).
+    """
+
+    def __init__(self, iface: str, interval_s: float = 0.005) -> None:
+        self._file = Path("/sys/class/net") / iface / "statistics" / "tx_bytes"
+        self._interval = interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._done = threading.Event()
+        self._read()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="pipetrain-tx-sampler")
+        self._thread.start()
+
+    def _read(self) -> None:
+        self.samples.append((time.perf_counter(), int(self._file.read_text())))
+
+    def _loop(self) -> None:
+        while not self._done.wait(self._interval):
+            self._read()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self._read()
+
+    def at(self, t: float) -> float:
+        """The counter at time ``t``, interpolated linearly between the samples around it."""
+        for (t0, b0), (t1, b1) in zip(self.samples, self.samples[1:]):
+            if t0 <= t <= t1:
+                return b0 + (b1 - b0) * (t - t0) / (t1 - t0) if t1 > t0 else float(b1)
+        return float(self.samples[0][1] if t < self.samples[0][0] else self.samples[-1][1])
 
 
 class _Splat(nn.Module):

@@ -1,0 +1,475 @@
+"""``pipetrain bench``: pipetrain's schedules beside PyTorch DDP and ``torch.distributed.pipelining``.
+
+Every system trains the same zoo model on the same synthetic data, at the same minibatch size (the
+samples of one optimizer update), on the same workers (one per emulated host, one torch thread each)
+and the same link; each is a fresh job. The systems (the keys of every per-system map in the report):
+
+==================  ===============================================================================
+``pipedream``       pipetrain, PipeDream's 1F1B with weight stashing, on the automatic plan
+                    (``stages="auto"``: rank 0 profiles and plans for the workers at the link's rate)
+``1f1b-flush``      pipetrain, 1F1B over a minibatch's microbatches, then one update (PipeDream-Flush)
+``gpipe``           pipetrain, all forwards then all backwards of the microbatches, then one update
+``model-parallel``  pipetrain, one minibatch in the pipeline at a time
+``ddp``             ``DistributedDataParallel``, BSP over gloo (each worker takes batch / workers)
+``torch-1f1b``      ``torch.distributed.pipelining.Schedule1F1B``
+``torch-gpipe``     ``torch.distributed.pipelining.ScheduleGPipe``
+==================  ===============================================================================
+
+The pipelines other than ``pipedream`` run on one *split* (first layer of each stage): ``--stages``
+when given (then ``pipedream`` uses it too), else the automatic plan's when it is a straight pipeline,
+else the planner's best straight pipeline for the same profile; the report says which. Microbatched
+systems run at every count of ``--microbatches`` they accept and report their best, listing all.
+
+Numbers per system: samples/s of the whole job (median over timed windows after warm-up; see
+:mod:`pipetrain.bench.peers`), bytes each worker sends per sample (counted from tensor sizes; also
+read from each host's interface on the emulated cluster), speedups. Beside them, the bound a
+pipeline's slowest stage sets: each stage's forward + backward measured alone in this process with
+the workers' thread count (median), bound = batch / slowest stage. The pipedream run is traced, so
+the report also gives each of its workers' seconds per minibatch in compute and in waiting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, torch_pipeline
+
+SYSTEMS = ("pipedream", "1f1b-flush", "gpipe", "model-parallel", "ddp", "torch-1f1b", "torch-gpipe")
+EXTRA_SYSTEMS = ("ddp-fp16",)
+"""Run only when named in ``systems``: DDP with ``fp16_compress_hook``."""
+MICROBATCHED = ("1f1b-flush", "gpipe", "torch-1f1b", "torch-gpipe")
+ONE_F_ONE_B = ("1f1b-flush", "torch-1f1b")  # need at least one microbatch per stage
+
+TARGETS = {
+    "pipedream_vs_bound": 0.95,        # (a) of the slowest stage's bound
+    "pipedream_vs_torch_1f1b": 1.25,   # (b) at torch-1f1b's best microbatch count
+    "pipedream_vs_ddp": 3.0,           # (c) samples/s
+    "bytes_saved_vs_ddp": 0.90,        # (c) 1 - pipedream's bytes per sample / ddp's
+}
+"""Issue 5's targets; (c) is stated for vgg-like on a 1 Gbit/s link with 2 workers."""
+
+
+@dataclass
+class SuiteConfig:
+    """One side-by-side run.
+
+    Attributes:
+        model, model_kwargs: a :data:`pipetrain.zoo.SPECS` name and its size knobs.
+        workers: one per emulated host (or local process on loopback).
+        link: each host's rate in tc units (``1gbit``); also the bandwidth the automatic plan assumes.
+        loopback: local processes on 127.0.0.1 instead of an emulated cluster (the link is not enforced).
+        batch_size: samples per optimizer update, for every system.
+        stages: the split for every pipeline, ``pipedream`` included; None: see the module docstring.
+        microbatches: counts tried for the microbatched systems.
+        systems: which to run, of :data:`SYSTEMS` and :data:`EXTRA_SYSTEMS`.
+        warmup, windows, steps_per_window: as in :class:`PeerConfig`.
+        threads: torch threads per worker, and for the stage measurements.
+        bound_repeats: timed runs per stage for the bound (the median is kept).
+        timeout_s: per collective or p2p wait; a job gets three times this in all.
+    """
+
+    model: str = "vgg-like"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    workers: int = 2
+    link: str = "1gbit"
+    loopback: bool = False
+    batch_size: int = 32
+    stages: list[int] | None = None
+    microbatches: tuple[int, ...] = (1, 2, 4)
+    systems: tuple[str, ...] = SYSTEMS
+    warmup: int = 3
+    windows: int = 5
+    steps_per_window: int = 3
+    threads: int = 1
+    bound_repeats: int = 10
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.systems if s not in SYSTEMS + EXTRA_SYSTEMS]
+        if bad:
+            raise ValueError(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
+        if self.workers < 2:
+            raise ValueError(f"workers={self.workers}: a side-by-side run needs at least 2 workers")
+        if not self.microbatches or any(m < 1 for m in self.microbatches):
+            raise ValueError(f"microbatches={self.microbatches} must be positive counts")
+        if self.stages is not None and len(self.stages) != self.workers:
+            raise ValueError(f"stages={self.stages} has {len(self.stages)} stages for {self.workers} workers; "
+                             "one worker per stage")
+        self.peer()  # validates model, batch size and timing counts
+
+    def peer(self) -> PeerConfig:
+        return PeerConfig(model=self.model, model_kwargs=self.model_kwargs, batch_size=self.batch_size,
+                          warmup=self.warmup, windows=self.windows, steps_per_window=self.steps_per_window,
+                          threads=self.threads, timeout_s=self.timeout_s)
+
+
+QUICK = {"warmup": 2, "windows": 3, "steps_per_window": 2, "bound_repeats": 5}
+"""``--quick``: fewer and shorter windows (about 4 minutes for vgg-like on a 2-core machine)."""
+
+Launcher = Callable[[Callable[..., Any], tuple], list[Any]]
+
+
+def run_suite(cfg: SuiteConfig, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Run every system of ``cfg`` and return the report (plain data, see :func:`format_table`).
+
+    Raises:
+        ValueError: no split or microbatch count fits (the message says which).
+    """
+    from pipetrain.bench.cluster import EmulatedCluster, unavailable_reason
+    from pipetrain.runtime.launch import spawn
+
+    started = time.perf_counter()
+    reason = None if cfg.loopback else unavailable_reason()
+    if reason:
+        log(f"{reason}; running on loopback")
+    if cfg.loopback or reason:
+        return _run_all(cfg, lambda fn, args: spawn(fn, cfg.workers, args), "loopback", reason, log, started)
+    with EmulatedCluster(cfg.workers, link=cfg.link) as cluster:
+        ports = iter(range(29600, 30600))  # a fresh port per job: no waiting on the last job's sockets
+
+        def launch(fn: Callable[..., Any], args: tuple) -> list[Any]:
+            return cluster.spawn(fn, args, port=next(ports), timeout=3 * cfg.timeout_s)
+        return _run_all(cfg, launch, f"{cfg.workers} namespaces, {cfg.link}", None, log, started)
+
+
+def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, note: str | None, log: Callable[[str], None],
+             started: float) -> dict[str, Any]:
+    peer = cfg.peer()
+    runs: dict[str, dict[int, dict[str, Any]]] = {}  # system -> microbatches -> summary
+    errors: dict[str, str] = {}
+
+    def job(system: str, m: int, fn: Callable[..., Any], args: tuple) -> dict[str, Any] | None:
+        t0 = time.perf_counter()
+        try:
+            results = launch(fn, args)
+        except RuntimeError as e:  # PipetrainError and friends: record, go on with the others
+            errors[f"{system} x{m}"] = str(e).splitlines()[0]
+            log(f"{system} (microbatches {m}): failed: {errors[f'{system} x{m}']}")
+            return None
+        summary = _summarize(results)
+        runs.setdefault(system, {})[m] = summary
+        log(f"{system}{f' x{m} microbatches' if system in MICROBATCHED else ''}: "
+            f"{summary['samples_per_s']:.1f} samples/s ({time.perf_counter() - t0:.0f} s)")
+        return summary
+
+    pd_plan, breakdown = None, None
+    if "pipedream" in cfg.systems:
+        s = job("pipedream", 1, pipetrain_job, (peer, "pipedream", cfg.stages or "auto", 1, cfg.link, True))
+        if s:
+            pd_plan, breakdown = s["plan"], s["breakdown"]
+    split, source = _choose_split(cfg, peer, pd_plan)
+    log(f"split for the other pipelines: {split} ({source})")
+    for system in cfg.systems:
+        if system == "pipedream":
+            continue
+        if system.startswith("ddp"):
+            job(system, 1, ddp, (peer, system == "ddp-fp16"))
+            continue
+        for m in _counts(system, cfg, len(split)):
+            if system.startswith("torch-"):
+                job(system, m, torch_pipeline, (peer, split, m, system.removeprefix("torch-")))
+            else:
+                job(system, m, pipetrain_job, (peer, system, split, m, cfg.link, False))
+    pd_split = runs["pipedream"][1]["stages"] if "pipedream" in runs else split
+    log(f"measuring each stage of {pd_split} alone ({cfg.threads} thread(s), median of {cfg.bound_repeats})")
+    stages = stage_times(peer, pd_split, repeats=cfg.bound_repeats)
+    report = _report(cfg, runs, split, source, pd_plan, breakdown, stages, where, note, errors)
+    report["wall_s"] = time.perf_counter() - started
+    return report
+
+
+def _summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One job from its ranks' results: job-wide rate and per-worker bytes (every rank has the rate)."""
+    first = results[0]
+    out = {k: first[k] for k in ("samples_per_s", "window_samples_per_s")}
+    out["counted_bytes_per_sample"] = [r["counted_bytes_per_sample"] for r in results]
+    out["iface_bytes_per_sample"] = [r["iface_bytes_per_sample"] for r in results]
+    for k in ("stages", "plan", "breakdown", "predicted_samples_per_s"):
+        out[k] = first.get(k)
+    return out
+
+
+def _counts(system: str, cfg: SuiteConfig, n_stages: int) -> list[int]:
+    """Microbatch counts ``system`` runs at: every asked count that splits the batch (and, for 1F1B,
+    gives each stage one)."""
+    if system not in MICROBATCHED:
+        return [1]
+    ok = [m for m in cfg.microbatches if cfg.batch_size % m == 0 and (system not in ONE_F_ONE_B or m >= n_stages)]
+    if not ok:
+        raise ValueError(f"{system}: none of microbatches={list(cfg.microbatches)} divides batch_size="
+                         f"{cfg.batch_size}{' and is at least the stage count' if system in ONE_F_ONE_B else ''}")
+    return ok
+
+
+def _choose_split(cfg: SuiteConfig, peer: PeerConfig, pd_plan: dict[str, Any] | None) -> tuple[list[int], str]:
+    """The split every pipeline but pipedream runs on, and a phrase saying where it came from."""
+    from pipetrain.planning import Plan
+
+    if cfg.stages is not None:
+        return list(cfg.stages), "given with --stages"
+    if pd_plan is not None:
+        p = Plan.from_dict(pd_plan)
+        if all(r == 1 for r in p.replicas):
+            return p.boundaries, f"pipedream's automatic plan, config {p.config}"
+        why = f"pipedream's automatic plan replicates stages (config {p.config})"
+    else:
+        why = "pipedream was not run"
+    straight = _straight_plan(cfg, peer)
+    return straight.boundaries, f"{why}; the planner's best straight pipeline for the same profile"
+
+
+def _straight_plan(cfg: SuiteConfig, peer: PeerConfig) -> Any:
+    """Profile here (the workers' thread count, first minibatch) and plan one worker per stage."""
+    from pipetrain.planning import plan
+    from pipetrain.profiling import profile_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        x, y = peer.spec.dataset(cfg.batch_size, seed=peer.seed + 1)[:]
+        measured = profile_model(peer.build(), (x, y), peer.spec.loss_fn, repeats=5, warmup=2)
+    finally:
+        torch.set_num_threads(before)
+    return plan(measured, cfg.workers, cfg.link, straight=True)
+
+
+def stage_times(peer: PeerConfig, boundaries: Sequence[int], repeats: int = 10, warmup: int = 2) -> list[dict[str, Any]]:
+    """Each stage's compute measured alone, in this process with ``peer.threads`` threads.
+
+    Per stage, medians of ``repeats`` runs after ``warmup``: ``forward_backward_s`` (its layers' forward
+    and backward at the batch size, with the loss on the last stage, input gradients on the others, as
+    in a pipeline); ``update_s`` (an SGD step over its parameters); ``weight_copy_s`` (cloning its
+    parameters once, what a weight stash or a gradient hand-over costs).
+    """
+    from pipetrain.layers import LayeredModel
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(peer.threads)
+    try:
+        model = peer.build()
+        bounds = [int(b) for b in boundaries]
+        pieces = [_Splat(s) for s in LayeredModel(model).stages(bounds)]
+        x, y = peer.spec.dataset(peer.batch_size, seed=peer.seed + 1)[:]
+        ends = [*bounds[1:], len(LayeredModel(model))]
+        out, value = [], _as_tuple(x)
+        for s, piece in enumerate(pieces):
+            last = s == len(pieces) - 1
+            params = [p for p in piece.parameters() if p.requires_grad]
+            with torch.no_grad():
+                seeds = None if last else [torch.ones_like(o) for o in _as_tuple(piece(*value))
+                                           if o.is_floating_point()]
+
+            def forward_backward() -> None:
+                for p in params:
+                    p.grad = None
+                ins = tuple(t.detach().requires_grad_(s > 0 and t.is_floating_point()) for t in value)
+                result = piece(*ins)
+                if last:
+                    peer.spec.loss_fn(result, y).backward()
+                else:
+                    outs = [o for o in _as_tuple(result) if o.is_floating_point()]
+                    torch.autograd.backward(outs, seeds)
+
+            opt = torch.optim.SGD(params, lr=peer.lr) if params else None
+            row = {"layers": [bounds[s], ends[s] - 1], "params": sum(p.numel() for p in params),
+                   "forward_backward_s": _median_time(forward_backward, repeats, warmup),
+                   "update_s": _median_time(opt.step, repeats, warmup) if opt else 0.0,
+                   "weight_copy_s": _median_time(lambda: [p.detach().clone() for p in params], repeats, warmup)}
+            out.append(row)
+            with torch.no_grad():
+                value = _as_tuple(piece(*value))
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], split: list[int], source: str,
+            pd_plan: dict[str, Any] | None, breakdown: Any, stages: list[dict[str, Any]], where: str,
+            note: str | None, errors: dict[str, str]) -> dict[str, Any]:
+    best = {s: max(by_m, key=lambda m: by_m[m]["samples_per_s"]) for s, by_m in runs.items()}
+    top = {s: runs[s][m] for s, m in best.items()}
+    order = [s for s in (*SYSTEMS, *EXTRA_SYSTEMS) if s in top]
+    rate = {s: top[s]["samples_per_s"] for s in order}
+    bps = {s: statistics.mean(top[s]["counted_bytes_per_sample"]) for s in order}
+    wire = {s: (None if None in top[s]["iface_bytes_per_sample"] else statistics.mean(top[s]["iface_bytes_per_sample"]))
+            for s in order}
+    slowest = max(st["forward_backward_s"] for st in stages)
+    bound = cfg.batch_size / slowest
+    report: dict[str, Any] = {
+        "config": {k: v for k, v in asdict(cfg).items() if k != "systems"}, "where": where, "note": note,
+        "samples_per_s": rate, "bytes_per_sample": bps, "iface_bytes_per_sample": wire,
+        "window_samples_per_s": {s: top[s]["window_samples_per_s"] for s in order},
+        "microbatches": {s: best[s] for s in order},
+        "sweep": {s: {str(m): runs[s][m]["samples_per_s"] for m in sorted(runs[s])} for s in order if s in MICROBATCHED},
+        "speedup_vs_ddp": {s: rate[s] / rate["ddp"] for s in order} if "ddp" in rate else {},
+        "split": {"stages": split, "source": source},
+        "pipedream": None if "pipedream" not in top else {
+            "stages": top["pipedream"]["stages"], "plan": pd_plan,
+            "predicted_samples_per_s": top["pipedream"]["predicted_samples_per_s"],
+            "seconds_per_minibatch": breakdown},
+        "stage_compute": stages, "bound_samples_per_s": bound,
+        "errors": errors,
+    }
+    targets: dict[str, Any] = {}
+    if "pipedream" in rate:
+        targets["pipedream_vs_bound"] = rate["pipedream"] / bound
+        if "torch-1f1b" in rate:
+            targets["pipedream_vs_torch_1f1b"] = rate["pipedream"] / rate["torch-1f1b"]
+        if "ddp" in rate:
+            targets["pipedream_vs_ddp"] = rate["pipedream"] / rate["ddp"]
+            targets["bytes_saved_vs_ddp"] = 1 - bps["pipedream"] / bps["ddp"]
+    report["targets"] = {k: {"value": v, "target": TARGETS[k], "met": v >= TARGETS[k]} for k, v in targets.items()}
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as text: one row per system, then the split, the bound and the targets."""
+    cfg = report["config"]
+    rate, bps, wire = report["samples_per_s"], report["bytes_per_sample"], report["iface_bytes_per_sample"]
+    ref = rate.get("torch-1f1b")
+    lines = [f"{cfg['model']}, {cfg['workers']} workers ({report['where']}), batch {cfg['batch_size']}, "
+             f"{cfg['threads']} thread(s) per worker; samples/s = median of {cfg['windows']} windows "
+             f"of {cfg['steps_per_window']} steps after {cfg['warmup']} warm-up steps",
+             f"{'system':<15}{'samples/s':>10}{'x ddp':>8}{'x torch-1f1b':>14}{'bytes/sample/worker':>21}"
+             f"{'on the wire':>13}  microbatches (samples/s)"]
+    for s, r in rate.items():
+        sweep = report["sweep"].get(s)
+        mbs = ", ".join(f"{m}: {v:.1f}" for m, v in sweep.items()) if sweep else "1"
+        x_ddp = f"{r / rate['ddp']:.2f}" if "ddp" in rate else "-"
+        x_ref = f"{r / ref:.2f}" if ref else "-"
+        w = "-" if wire[s] is None else f"{wire[s]:,.0f}"
+        tail = f"best {report['microbatches'][s]} ({mbs})" if sweep else mbs
+        lines.append(f"{s:<15}{r:>10.1f}{x_ddp:>8}{x_ref:>14}{bps[s]:>21,.0f}{w:>13}  {tail}")
+    pd = report["pipedream"]
+    if pd:
+        plan = pd["plan"]
+        how = f"automatic plan {_config(plan)}, predicted {pd['predicted_samples_per_s']:.1f} samples/s" \
+            if plan else "given stages"
+        lines.append(f"pipedream stages {pd['stages']} ({how})")
+    lines.append(f"other pipelines' split {report['split']['stages']}: {report['split']['source']}")
+    for st in report["stage_compute"]:
+        lines.append(f"  stage layers {st['layers'][0]}-{st['layers'][1]} alone: forward+backward "
+                     f"{st['forward_backward_s'] * 1e3:.1f} ms, SGD step {st['update_s'] * 1e3:.1f} ms, "
+                     f"weight copy {st['weight_copy_s'] * 1e3:.1f} ms")
+    lines.append(f"bound set by the slowest stage: {report['bound_samples_per_s']:.1f} samples/s")
+    if pd and pd["seconds_per_minibatch"]:
+        for r, kinds in enumerate(pd["seconds_per_minibatch"]):
+            parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  pipedream rank {r}, ms per minibatch in the windows: {parts}")
+    for k, t in report["targets"].items():
+        lines.append(f"target {k}: {t['value']:.3f} (>= {t['target']}) {'met' if t['met'] else 'MISSED'}")
+    for k, e in report["errors"].items():
+        lines.append(f"failed: {k}: {e}")
+    return "\n".join(lines)
+
+
+def _config(plan: dict[str, Any]) -> str:
+    return "-".join(str(s["replicas"]) for s in plan["stages"])
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Bars of samples/s (with the slowest-stage bound) and bytes per sample per worker, per system."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = report["config"]
+    names = list(report["samples_per_s"])
+    colours = ["#4c72b0" if n in SYSTEMS[:4] else "#dd8452" for n in names]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), sharey=True)
+    y = range(len(names))
+    rates = [report["samples_per_s"][n] for n in names]
+    ax1.barh(y, rates, color=colours)
+    for i, v in enumerate(rates):
+        ax1.text(v, i, f" {v:.0f}", va="center", fontsize=8)
+    ax1.axvline(report["bound_samples_per_s"], color="k", ls="--", lw=1)
+    ax1.text(report["bound_samples_per_s"], len(names) - 0.4, " slowest-stage bound", fontsize=8)
+    ax1.set_yticks(list(y), [f"{n} (x{report['microbatches'][n]})" if n in MICROBATCHED else n for n in names])
+    ax1.invert_yaxis()
+    ax1.set_xlabel("samples/s (higher is better)")
+    ax1.set_xlim(0, max(max(rates), report["bound_samples_per_s"]) * 1.2)
+    sizes = [report["bytes_per_sample"][n] for n in names]
+    ax2.barh(y, sizes, color=colours)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("bytes sent per worker per sample (log)")
+    fig.suptitle(f"{cfg['model']}, {cfg['workers']} workers ({report['where']}), batch {cfg['batch_size']}: "
+                 "pipetrain (blue) and PyTorch (orange)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="vgg-like", help="a pipetrain.zoo model (default vgg-like)")
+    p.add_argument("--workers", type=int, default=2, help="one per emulated host (default 2)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--link", default="1gbit", help="each host's rate, tc units (default 1gbit); "
+                                                       "also what the automatic plan assumes")
+    where.add_argument("--loopback", action="store_true", help="local processes on 127.0.0.1, no emulated link")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update, every system")
+    p.add_argument("--stages", default=None, help="split for every pipeline, e.g. 0,12 (default: the automatic plan's)")
+    p.add_argument("--microbatches", default="1,2,4", help="counts tried for microbatched systems (default 1,2,4)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated subset of {', '.join(SYSTEMS + EXTRA_SYSTEMS)} (default: the first seven)")
+    p.add_argument("--quick", action="store_true", help="fewer, shorter timed windows (a few minutes)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, quick 2)")
+    p.add_argument("--windows", type=int, default=None, help="timed windows (default 5, quick 3)")
+    p.add_argument("--steps-per-window", type=int, default=None, help="(default 3, quick 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--png", default=None, help="write a bar chart of samples/s and bytes/sample here")
+
+
+def config_from_args(args: argparse.Namespace) -> SuiteConfig:
+    preset = QUICK if args.quick else {}
+    chosen = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, getattr(SuiteConfig, k))
+              for k in ("warmup", "windows", "steps_per_window")}
+    return SuiteConfig(
+        model=args.model, workers=args.workers, link=args.link, loopback=args.loopback,
+        batch_size=args.batch_size, stages=[int(b) for b in args.stages.split(",")] if args.stages else None,
+        microbatches=tuple(int(m) for m in args.microbatches.split(",")),
+        systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), threads=args.threads,
+        bound_repeats=preset.get("bound_repeats", SuiteConfig.bound_repeats), timeout_s=args.timeout, **chosen)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    cfg = config_from_args(args)
+    report = run_suite(cfg, log=lambda line: print(f"pipetrain bench: {line}", file=sys.stderr, flush=True))
+    if args.png:
+        plot(report, args.png)
+    print(json.dumps(report) if args.json else format_table(report))
+    if args.png and not args.json:
+        print(f"wrote {args.png}")
+    missing = [s for s in cfg.systems if s not in report["samples_per_s"]]
+    if missing:
+        raise RuntimeError(f"no result for {', '.join(missing)} (see the failures above)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``bench`` subcommand to the ``pipetrain`` command."""
+    p = sub.add_parser("bench", help="pipetrain's schedules beside PyTorch DDP and pipelining, same model and link",
+                       description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
