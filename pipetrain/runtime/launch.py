@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -35,7 +36,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to kill this worker when the process that spawned it dies (even by SIGKILL), so a
+    killed job leaves no workers behind; elsewhere the workers' own timeouts end them."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(rank: int, world: int, port: int, workdir: str, payload: bytes) -> None:
+    _die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1")
     code = 0
