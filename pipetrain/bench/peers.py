@@ -414,11 +414,18 @@ def _finish(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One job's numbers from its ranks' results: the job rate and per-worker bytes per sample."""
+    """One job's numbers from its ranks' results: the job rate and per-worker bytes per sample.
+
+    Every rank reports the same job-wide rate; bytes are per rank. What :func:`pipetrain_job` adds
+    about the placement (``stages``, ``replicas``, ``plan``, ``predicted_samples_per_s``,
+    ``breakdown``) is the same on every rank and passes through.
+    """
     first = results[0]
     return {
         "runner": first["runner"], "model": first["model"], "world": first["world"],
         "samples_per_s": first["samples_per_s"], "window_samples_per_s": first["window_samples_per_s"],
         "counted_bytes_per_sample": [r["counted_bytes_per_sample"] for r in results],
         "iface_bytes_per_sample": [r["iface_bytes_per_sample"] for r in results],
+        **{k: first[k] for k in ("stages", "replicas", "plan", "predicted_samples_per_s", "breakdown")
+           if k in first},
     }

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, torch_pipeline
+from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, summarize, torch_pipeline
 
 SYSTEMS = ("pipedream", "1f1b-flush", "gpipe", "model-parallel", "ddp", "torch-1f1b", "torch-gpipe")
 EXTRA_SYSTEMS = ("ddp-fp16",)
@@ -123,7 +124,7 @@ def run_suite(cfg: SuiteConfig, log: Callable[[str], None] = lambda line: None) 
     Raises:
         ValueError: no split or microbatch count fits (the message says which).
     """
-    from pipetrain.bench.cluster import EmulatedCluster, unavailable_reason
+    from pipetrain.bench.cluster import EmulatedCluster, socket_throughput, unavailable_reason
     from pipetrain.runtime.launch import spawn
 
     started = time.perf_counter()
@@ -131,40 +132,48 @@ def run_suite(cfg: SuiteConfig, log: Callable[[str], None] = lambda line: None) 
     if reason:
         log(f"{reason}; running on loopback")
     if cfg.loopback or reason:
-        return _run_all(cfg, lambda fn, args: spawn(fn, cfg.workers, args), "loopback", reason, log, started)
-    with EmulatedCluster(cfg.workers, link=cfg.link) as cluster:
-        ports = iter(range(29600, 30600))  # a fresh port per job: no waiting on the last job's sockets
+        report = _run_all(cfg, lambda fn, args: spawn(fn, cfg.workers, args), "loopback", log)
+        report["note"] = reason
+    else:
+        with EmulatedCluster(cfg.workers, link=cfg.link) as cluster:
+            ports = iter(range(29600, 30600))  # a fresh port per job: no waiting on the last job's sockets
 
-        def launch(fn: Callable[..., Any], args: tuple) -> list[Any]:
-            return cluster.spawn(fn, args, port=next(ports), timeout=3 * cfg.timeout_s)
-        return _run_all(cfg, launch, f"{cfg.workers} namespaces, {cfg.link}", None, log, started)
+            def launch(fn: Callable[..., Any], args: tuple) -> list[Any]:
+                return cluster.spawn(fn, args, port=next(ports), timeout=3 * cfg.timeout_s)
+            # what the link carries (TCP payload, one direction): DDP's rate is bounded by it
+            link_bps = socket_throughput(cluster, 0, 1, seconds=2.0)["bits_per_s"]
+            log(f"host 0 -> host 1 socket throughput: {link_bps / 1e6:.0f} Mbit/s")
+            report = _run_all(cfg, launch, f"{cfg.workers} namespaces, {cfg.link}", log)
+            report["link_payload_bits_per_s"] = link_bps
+    report["wall_s"] = time.perf_counter() - started
+    return report
 
 
-def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, note: str | None, log: Callable[[str], None],
-             started: float) -> dict[str, Any]:
+def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str], None]) -> dict[str, Any]:
+    load_at_start = os.getloadavg()[0]
     peer = cfg.peer()
     runs: dict[str, dict[int, dict[str, Any]]] = {}  # system -> microbatches -> summary
     errors: dict[str, str] = {}
 
     def job(system: str, m: int, fn: Callable[..., Any], args: tuple) -> dict[str, Any] | None:
-        t0 = time.perf_counter()
+        t0, load = time.perf_counter(), os.getloadavg()[0]
         try:
             results = launch(fn, args)
         except RuntimeError as e:  # PipetrainError and friends: record, go on with the others
             errors[f"{system} x{m}"] = str(e).splitlines()[0]
             log(f"{system} (microbatches {m}): failed: {errors[f'{system} x{m}']}")
             return None
-        summary = _summarize(results)
+        summary = summarize(results)
         runs.setdefault(system, {})[m] = summary
         log(f"{system}{f' x{m} microbatches' if system in MICROBATCHED else ''}: "
-            f"{summary['samples_per_s']:.1f} samples/s ({time.perf_counter() - t0:.0f} s)")
+            f"{summary['samples_per_s']:.1f} samples/s ({time.perf_counter() - t0:.0f} s, load before {load:.2f})")
         return summary
 
     pd_plan, breakdown = None, None
     if "pipedream" in cfg.systems:
         s = job("pipedream", 1, pipetrain_job, (peer, "pipedream", cfg.stages or "auto", 1, cfg.link, True))
         if s:
-            pd_plan, breakdown = s["plan"], s["breakdown"]
+            pd_plan, breakdown = s["plan"], s.get("breakdown")
     split, source = _choose_split(cfg, peer, pd_plan)
     log(f"split for the other pipelines: {split} ({source})")
     for system in cfg.systems:
@@ -181,20 +190,12 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, note: str | None, l
     pd_split = runs["pipedream"][1]["stages"] if "pipedream" in runs else split
     log(f"measuring each stage of {pd_split} alone ({cfg.threads} thread(s), median of {cfg.bound_repeats})")
     stages = stage_times(peer, pd_split, repeats=cfg.bound_repeats)
-    report = _report(cfg, runs, split, source, pd_plan, breakdown, stages, where, note, errors)
-    report["wall_s"] = time.perf_counter() - started
+    whole = stage_times(peer, [0], repeats=cfg.bound_repeats)[0]
+    report = _report(cfg, runs, split, source, pd_plan, breakdown, stages, where, errors)
+    # the reference every speedup is about: one worker training the whole model (step included)
+    report["one_worker_samples_per_s"] = cfg.batch_size / (whole["forward_backward_s"] + whole["update_s"])
+    report["load_average"] = [load_at_start, os.getloadavg()[0]]  # 1-minute, at start and end: was the machine quiet?
     return report
-
-
-def _summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One job from its ranks' results: job-wide rate and per-worker bytes (every rank has the rate)."""
-    first = results[0]
-    out = {k: first[k] for k in ("samples_per_s", "window_samples_per_s")}
-    out["counted_bytes_per_sample"] = [r["counted_bytes_per_sample"] for r in results]
-    out["iface_bytes_per_sample"] = [r["iface_bytes_per_sample"] for r in results]
-    for k in ("stages", "plan", "breakdown", "predicted_samples_per_s"):
-        out[k] = first.get(k)
-    return out
 
 
 def _counts(system: str, cfg: SuiteConfig, n_stages: int) -> list[int]:
@@ -304,7 +305,7 @@ def _median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
 
 def _report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], split: list[int], source: str,
             pd_plan: dict[str, Any] | None, breakdown: Any, stages: list[dict[str, Any]], where: str,
-            note: str | None, errors: dict[str, str]) -> dict[str, Any]:
+            errors: dict[str, str]) -> dict[str, Any]:
     best = {s: max(by_m, key=lambda m: by_m[m]["samples_per_s"]) for s, by_m in runs.items()}
     top = {s: runs[s][m] for s, m in best.items()}
     order = [s for s in (*SYSTEMS, *EXTRA_SYSTEMS) if s in top]
@@ -312,10 +313,11 @@ def _report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], split:
     bps = {s: statistics.mean(top[s]["counted_bytes_per_sample"]) for s in order}
     wire = {s: (None if None in top[s]["iface_bytes_per_sample"] else statistics.mean(top[s]["iface_bytes_per_sample"]))
             for s in order}
-    slowest = max(st["forward_backward_s"] for st in stages)
-    bound = cfg.batch_size / slowest
+    # a stage of r replicas takes r minibatches per its time (round robin)
+    replicas = top["pipedream"]["replicas"] if "pipedream" in top else [1] * len(stages)
+    bound = min(r * cfg.batch_size / st["forward_backward_s"] for r, st in zip(replicas, stages))
     report: dict[str, Any] = {
-        "config": {k: v for k, v in asdict(cfg).items() if k != "systems"}, "where": where, "note": note,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "systems"}, "where": where, "note": None,
         "samples_per_s": rate, "bytes_per_sample": bps, "iface_bytes_per_sample": wire,
         "window_samples_per_s": {s: top[s]["window_samples_per_s"] for s in order},
         "microbatches": {s: best[s] for s in order},
@@ -370,7 +372,18 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"  stage layers {st['layers'][0]}-{st['layers'][1]} alone: forward+backward "
                      f"{st['forward_backward_s'] * 1e3:.1f} ms, SGD step {st['update_s'] * 1e3:.1f} ms, "
                      f"weight copy {st['weight_copy_s'] * 1e3:.1f} ms")
-    lines.append(f"bound set by the slowest stage: {report['bound_samples_per_s']:.1f} samples/s")
+    lines.append(f"bound set by the slowest stage (batch / its forward+backward): "
+                 f"{report['bound_samples_per_s']:.1f} samples/s")
+    if "one_worker_samples_per_s" in report:
+        lines.append(f"one worker alone, whole model (forward+backward+SGD step): "
+                     f"{report['one_worker_samples_per_s']:.1f} samples/s")
+    if report.get("link_payload_bits_per_s") and "ddp" in rate:
+        link = report["link_payload_bits_per_s"]
+        lines.append(f"link: {link / 1e6:.0f} Mbit/s TCP payload measured host 0 -> 1; at that rate DDP's "
+                     f"{bps['ddp']:,.0f} bytes/sample/worker allow at most {link / 8 / bps['ddp']:.1f} samples/s")
+    if "load_average" in report:
+        lines.append(f"load average (1 min) at start and end: {report['load_average'][0]:.2f}, "
+                     f"{report['load_average'][1]:.2f}; wall time {report['wall_s']:.0f} s")
     if pd and pd["seconds_per_minibatch"]:
         for r, kinds in enumerate(pd["seconds_per_minibatch"]):
             parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
@@ -410,6 +423,9 @@ def plot(report: dict[str, Any], path: str) -> None:
     sizes = [report["bytes_per_sample"][n] for n in names]
     ax2.barh(y, sizes, color=colours)
     ax2.set_xscale("log")
+    ax2.set_xlim(min(sizes) / 10, max(sizes) * 10)
+    for i, v in enumerate(sizes):
+        ax2.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
     ax2.set_xlabel("bytes sent per worker per sample (log)")
     fig.suptitle(f"{cfg['model']}, {cfg['workers']} workers ({report['where']}), batch {cfg['batch_size']}: "
                  "pipetrain (blue) and PyTorch (orange)", fontsize=10)
@@ -470,6 +486,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand to the ``pipetrain`` command."""
     p = sub.add_parser("bench", help="pipetrain's schedules beside PyTorch DDP and pipelining, same model and link",
-                       description=__doc__.splitlines()[0])
+                       description="pipetrain's schedules beside PyTorch DDP and torch.distributed.pipelining: "
+                                   "same model, data, batch, workers and emulated link")
     add_arguments(p)
     p.set_defaults(func=cmd_bench)

@@ -18,7 +18,7 @@ from pipetrain.runtime import checkpoint
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, Worker, epoch_order
-from pipetrain.schedule import FLUSH_SCHEDULES, Schedule, build_schedule
+from pipetrain.schedule import FLUSH_SCHEDULES, Schedule, build_schedule, warmup
 from pipetrain.strategies import ReplicaAllreduce
 
 
@@ -127,7 +127,10 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
             if optimizer is not None:
                 optimizer.load_state_dict(state["optimizer"])
             start, version = done + 1, state["version"]
-    policy = POLICIES[cfg.policy_name()](stage)
+    name = cfg.policy_name()
+    if name == "stash" and warmup(cfg.replicas, stage_idx) == 1:
+        name = "live"  # one minibatch in flight: no update between its forward and backward
+    policy = POLICIES[name](stage)
     policy.version = version
     transport = Transport(rank, edges(cfg.replicas), describe(cfg.replicas), device, cfg.timeout)
     # every rank makes every replicated stage's group, in stage order, as new_group requires

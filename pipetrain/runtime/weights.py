@@ -7,7 +7,9 @@ puts the gradient on the live parameters' ``.grad`` for the optimizer.
 * ``Live`` (flush schedules): nothing is in flight across an update, so the live weights are used.
 * ``Stashing`` (``pipedream``): the forward uses the newest version; the version is stashed for that
   minibatch's backward. Minibatches admitted between two updates share one stashed copy, so a stage
-  holds at most one version per minibatch in flight, and usually fewer.
+  holds at most one version per minibatch in flight, and usually fewer. A worker that never holds
+  more than one minibatch (the output stage) updates only between a backward and the next forward,
+  so it needs no copy and runs ``Live`` (see ``runtime.job``).
 * ``VerticalSync``: every stage runs minibatch t with the version the input stage used for t, carried
   in the message header; a stage keeps the versions that later minibatches may still ask for.
 * ``Naive`` (the ablation): forward with the newest weights, backward with the weights current at
@@ -53,12 +55,21 @@ class Live:
 class Stashing(Live):
     """Weight stashing: the backward of a minibatch uses the weights its forward used."""
 
+    recycle = True  # reuse the copies no minibatch holds any more (a fresh allocation costs page faults)
+
     def __init__(self, stage: nn.Module) -> None:
         super().__init__(stage)
         self._stash: dict[int, Weights] = {}
         self._newest: tuple[int, Weights] | None = None  # (version, copy) shared while unchanged
+        self._free: list[Weights] = []
 
     def _copy(self) -> Weights:
+        if self._free:
+            copy = self._free.pop()
+            with torch.no_grad():
+                for k, p in self.params.items():
+                    copy[k].copy_(p)
+            return copy
         return {k: p.detach().clone().requires_grad_(p.requires_grad) for k, p in self.params.items()}
 
     def forward_weights(self, mb: int, tag: int | None) -> Weights:
@@ -74,9 +85,12 @@ class Stashing(Live):
         used = self._stash.pop(mb)
         for k, p in self.params.items():
             g = used[k].grad
-            if g is not None:
-                p.grad = g.clone() if p.grad is None else p.grad + g
+            if g is not None:  # moved, not copied: the stash lets go of it just below
+                p.grad = g if p.grad is None else p.grad.add_(g)
             used[k].grad = None
+        held = any(w is used for w in self._stash.values()) or (self._newest is not None and self._newest[1] is used)
+        if self.recycle and not held:
+            self._free.append(used)
 
     def held_versions(self) -> int:
         return len({id(w) for w in self._stash.values()})
@@ -84,6 +98,8 @@ class Stashing(Live):
 
 class VerticalSync(Stashing):
     """Run minibatch t with the version the input stage used for t, at every stage."""
+
+    recycle = False  # copies also live in the version table; let the garbage collector free them
 
     def __init__(self, stage: nn.Module) -> None:
         super().__init__(stage)

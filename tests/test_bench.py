@@ -1,0 +1,53 @@
+"""``pipetrain bench`` end to end on loopback with a tiny model: every system reports positive numbers.
+
+The emulated cluster itself is covered by tests/test_cluster.py; here every job runs on 127.0.0.1.
+"""
+from __future__ import annotations
+
+import json
+import math
+from unittest import mock
+
+import pytest
+
+from pipetrain.bench.suite import SYSTEMS, SuiteConfig, _counts, format_table, plot
+from pipetrain.cli import main
+
+TINY = ["--model", "mnist-mlp", "--batch-size", "16", "--microbatches", "2", "--warmup", "1",
+        "--windows", "1", "--steps-per-window", "1", "--timeout", "60"]
+
+
+def test_bench_json_has_every_system(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """Asked for an emulated link where none can be built, it says why in one line and uses loopback."""
+    png = tmp_path / "bench.png"
+    why = "EmulatedCluster needs root (CAP_NET_ADMIN) to create network namespaces"
+    with mock.patch("pipetrain.bench.cluster.unavailable_reason", return_value=why):
+        assert main(["bench", *TINY, "--link", "1gbit", "--json", "--png", str(png)]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if why in line] == [f"pipetrain bench: {why}; running on loopback"]
+    report = json.loads(out)
+    assert report["where"] == "loopback" and report["note"] == why
+    for key in ("samples_per_s", "bytes_per_sample"):
+        assert set(report[key]) == set(SYSTEMS), key
+        assert all(math.isfinite(v) and v > 0 for v in report[key].values()), report[key]
+    # mnist-mlp's automatic 2-stage plan is a straight pipeline, so every pipeline runs on its split
+    assert report["split"]["stages"] == report["pipedream"]["stages"]
+    assert report["split"]["source"].startswith("pipedream's automatic plan")
+    # the pipelines send one cut's activations and gradients; DDP the whole gradient
+    assert report["bytes_per_sample"]["ddp"] > report["bytes_per_sample"]["pipedream"]
+    assert report["bound_samples_per_s"] > 0 and set(report["targets"]) == {
+        "pipedream_vs_bound", "pipedream_vs_torch_1f1b", "pipedream_vs_ddp", "bytes_saved_vs_ddp"}
+    assert {"F", "B", "U"} <= {k for rank in report["pipedream"]["seconds_per_minibatch"] for k in rank}
+    assert png.stat().st_size > 0
+    assert "torch-1f1b" in format_table(report)
+
+
+def test_microbatch_counts_and_bad_config() -> None:
+    cfg = SuiteConfig(model="mnist-mlp", batch_size=12, microbatches=(1, 2, 4, 5))
+    assert _counts("torch-1f1b", cfg, 2) == [2, 4]       # 1F1B needs a microbatch per stage
+    assert _counts("gpipe", cfg, 2) == [1, 2, 4]        # 5 does not split 12
+    assert _counts("pipedream", cfg, 2) == [1]
+    with pytest.raises(ValueError, match="unknown system"):
+        SuiteConfig(systems=("pipedream", "horovod"))
+    with pytest.raises(ValueError, match="one worker per stage"):
+        SuiteConfig(stages=[0, 3, 5])
