@@ -1,4 +1,4 @@
-"""``pipetrain profile`` and ``pipetrain plan``: parse, call the API, print."""
+"""``pipetrain profile``, ``pipetrain plan`` and ``pipetrain simulate``: parse, call the API, print."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +7,17 @@ import json
 import torch
 from torch.utils.data import default_collate
 
-from pipetrain.cli import _call_factory, _loss
-from pipetrain.planning import Plan, plan
+from pipetrain.cli import _call_factory, _ints, _loss
+from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model
+from pipetrain.schedule import build_schedule
+from pipetrain.simulate import Link, simulate
+from pipetrain.trace import draw_timeline, write_chrome_trace
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``profile`` and ``plan`` subcommands."""
+    """Add the ``profile``, ``plan`` and ``simulate`` subcommands."""
     p = sub.add_parser("profile", help="measure each layer's seconds and bytes on one minibatch")
     p.add_argument("model", help="MODULE:FACTORY returning the nn.Module (or the module itself)")
     p.add_argument("--batch-size", type=int, required=True)
@@ -42,6 +45,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="predict a pipeline's timeline and throughput from a profile")
+    p.add_argument("profile", help="profile JSON (`pipetrain profile`) or a PipeDream graph.txt")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--workers", type=int, help="plan for this many workers with the partitioner")
+    where.add_argument("--plan", help="a plan JSON from `pipetrain plan`")
+    where.add_argument("--stages", help="first layer index of each stage (one worker each), e.g. 0,3,7")
+    p.add_argument("--straight", action="store_true", help="with --workers: one worker per stage")
+    p.add_argument("--schedule", default="pipedream", help="pipedream | gpipe | 1f1b-flush | model-parallel | naive")
+    p.add_argument("--minibatches", type=int, required=True)
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=None, help="default: the profile's")
+    p.add_argument("--bandwidth", default="10Gbit", help="per link direction, e.g. 10Gbit, 1.25GB/s")
+    p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer")
+    p.add_argument("--png", help="write the timeline picture here")
+    p.add_argument("--trace-json", help="write a Chrome trace here (open in ui.perfetto.dev)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=cmd_simulate)
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
@@ -102,3 +123,39 @@ def describe(result: Plan, profile: Profile) -> str:
 
 def _short(name: str, width: int = 28) -> str:
     return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    if args.straight and not args.workers:
+        raise ValueError("--straight applies to --workers (planning); --plan and --stages fix the stages")
+    profile = Profile.load(args.profile)
+    bandwidth = parse_bandwidth(args.bandwidth)
+    if args.stages:
+        boundaries = _ints(args.stages)
+        replicas = [1] * len(boundaries)
+    else:
+        if args.plan:
+            chosen = Plan.load(args.plan)
+            check_fits(chosen, len(profile), args.plan)
+        else:
+            chosen = plan(profile, args.workers, bandwidth, straight=args.straight)
+        boundaries, replicas = chosen.boundaries, chosen.replicas
+    schedule = build_schedule(args.schedule, replicas, args.minibatches, args.microbatches)
+    result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size)
+    names = [f"worker {w} (stage {schedule.stage_of(w)})" for w in range(schedule.num_workers)]
+    if args.png:
+        draw_timeline(result.trace, args.png, names=names,
+                      title=f"{args.schedule}, stages {boundaries}, replicas {replicas}: simulated")
+    if args.trace_json:
+        write_chrome_trace(result.trace, args.trace_json, names=names)
+    if args.json:
+        print(json.dumps({"schedule": args.schedule, "stages": boundaries, "replicas": replicas,
+                          **result.to_dict()}))
+        return
+    samples = "" if result.samples_per_s is None else f"{result.samples_per_s:.1f} samples/s, "
+    print(f"{args.schedule}, stages {boundaries}, replicas {replicas}: {samples}"
+          f"{result.minibatches_per_s:.2f} minibatches/s, bubble {result.bubble_fraction:.2f}")
+    print("busy fraction per worker:   " + " ".join(f"{b:.2f}" for b in result.busy_fraction))
+    print("weight versions per worker: " + " ".join(map(str, result.peak_weight_versions)))
+    for path in filter(None, (args.png, args.trace_json)):
+        print(f"wrote {path}")
