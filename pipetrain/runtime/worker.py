@@ -88,6 +88,7 @@ class Worker:
     _inbox: dict[tuple[int, int | None], Message] = field(default_factory=dict)
     _out: dict[tuple[int, int | None], Message] = field(default_factory=dict)
     _losses: dict[int, float] = field(default_factory=dict)
+    _collated: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def run_epoch(self, schedule: Schedule, epoch: int, batches: list[list[int]], mb_offset: int,
                   on_step: Callable[[StepRecord], None] | None = None) -> None:
@@ -133,8 +134,12 @@ class Worker:
         return value.chunk(m)[micro]
 
     def _batch(self, mb: int, part: int) -> Any:
-        items = [self.dataset[i] for i in self._batches[mb]]
-        return default_collate([item[part] for item in items])
+        """Inputs (part 0) or targets (part 1) of minibatch ``mb``, collated once for all its
+        microbatches and kept until its last backward."""
+        key = (mb, part)
+        if key not in self._collated:
+            self._collated[key] = default_collate([self.dataset[i][part] for i in self._batches[mb]])
+        return self._collated[key]
 
     def _forward(self, a: Action) -> None:
         key = (a.mb, a.micro)
@@ -194,6 +199,9 @@ class Worker:
             grads_in = [torch.zeros_like(t) if t.grad is None else t.grad for t in floats]
             self._out[key] = Message(a.mb, a.micro, 0, grads_in, False)
         last_micro = a.micro is None or a.micro == self._sched.microbatches - 1
+        if last_micro:
+            self._collated.pop((a.mb, 0), None)
+            self._collated.pop((a.mb, 1), None)
         if last_micro and self.grad_sync is None:  # else at the S action, once the sync is done
             self.policy.after_backward(a.mb)
 
