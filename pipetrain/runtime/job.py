@@ -17,7 +17,7 @@ from pipetrain.layers import LayeredModel
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.weights import POLICIES
-from pipetrain.runtime.worker import NonFiniteLoss, Worker, epoch_order
+from pipetrain.runtime.worker import NonFiniteLoss, Worker, epoch_order, per_epoch
 from pipetrain.schedule import FLUSH_SCHEDULES, Schedule, build_schedule, warmup
 from pipetrain.strategies import ReplicaAllreduce
 
@@ -142,14 +142,14 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
 
     n_items = len(cfg.dataset)  # type: ignore[arg-type]
     lcm = math.lcm(*cfg.replicas)
-    per_epoch = n_items // cfg.batch_size // lcm * lcm
-    bar = _progress(cfg, rank, world, (cfg.epochs - start) * per_epoch)
+    k = per_epoch(n_items, cfg.batch_size, lcm)
+    bar = _progress(cfg, rank, world, (cfg.epochs - start) * k)
     on_step = (lambda rec: bar.update(1) or bar.set_postfix(loss=f"{rec.loss:.4f}")) if bar else None
     for epoch in range(start, cfg.epochs):
         batches = epoch_order(n_items, cfg.batch_size, epoch, cfg.shuffle, cfg.seed, lcm)
         schedule = build_schedule(cfg.schedule, cfg.replicas, len(batches), cfg.microbatches)
         try:
-            worker.run_epoch(schedule, epoch, batches, epoch * per_epoch, on_step)
+            worker.run_epoch(schedule, epoch, batches, epoch * k, on_step)
         except NonFiniteLoss as e:
             kept = checkpoint.latest_common_epoch(cfg.checkpoint_dir, world) if cfg.checkpoint_dir else None
             where = f"the checkpoint of epoch {kept} in {cfg.checkpoint_dir} is kept" if kept is not None \

@@ -48,9 +48,6 @@ class Live:
         """The optimizer just applied ``minibatches`` minibatches' gradients."""
         self.version += minibatches
 
-    def held_versions(self) -> int:
-        return 1
-
 
 class Stashing(Live):
     """Weight stashing: the backward of a minibatch uses the weights its forward used."""
@@ -92,9 +89,6 @@ class Stashing(Live):
         if self.recycle and not held:
             self._free.append(used)
 
-    def held_versions(self) -> int:
-        return len({id(w) for w in self._stash.values()})
-
 
 class VerticalSync(Stashing):
     """Run minibatch t with the version the input stage used for t, at every stage."""
@@ -119,9 +113,6 @@ class VerticalSync(Stashing):
             del self._versions[v]
         self._stash[mb] = self._versions[have]
         return self._stash[mb]
-
-    def held_versions(self) -> int:
-        return len({id(w) for w in [*self._stash.values(), *self._versions.values()]})
 
 
 class Naive(Live):

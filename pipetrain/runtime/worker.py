@@ -33,8 +33,12 @@ def epoch_order(n_items: int, batch_size: int, epoch: int, shuffle: bool, seed: 
         order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
     else:
         order = list(range(n_items))
-    k = n_items // batch_size // multiple * multiple
-    return [order[t * batch_size:(t + 1) * batch_size] for t in range(k)]
+    return [order[t * batch_size:(t + 1) * batch_size] for t in range(per_epoch(n_items, batch_size, multiple))]
+
+
+def per_epoch(n_items: int, batch_size: int, multiple: int) -> int:
+    """Minibatches in an epoch: whole minibatches only, in whole rounds of ``multiple``."""
+    return n_items // batch_size // multiple * multiple
 
 
 @dataclass
