@@ -61,7 +61,8 @@ from torch.utils.data import TensorDataset, default_collate
 
 import pipetrain
 from pipetrain.profiling import Profile
-from pipetrain.schedule import Action, build_schedule
+from pipetrain.registry import build_schedule
+from pipetrain.schedule import Action
 from pipetrain.simulate import Link, simulate
 
 WIDTH, DEPTH, CLASSES = 1024, 8, 10

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipetrain.profiling import LayerProfile, Profile
-from pipetrain.schedule import build_schedule
+from pipetrain.registry import build_schedule
 from pipetrain.simulate import simulate
 from pipetrain.trace import draw_timeline
 

@@ -6,9 +6,11 @@ from pipetrain.profiling import Profile
 from pipetrain.profiling import profile_model as profile
 from pipetrain.runtime.checkpoint import assemble as load_checkpoint
 from pipetrain.runtime.launch import PipetrainError
-from pipetrain.schedule import Action, Schedule, build_schedule
+from pipetrain.registry import build_data_parallel, build_schedule
+from pipetrain.schedule import Action, Schedule
 from pipetrain.simulate import Link, SimResult, simulate
 
 __all__ = ["train", "TrainResult", "profile", "Profile", "plan", "Plan", "simulate", "SimResult", "Link",
            "load_checkpoint",
-           "LayeredModel", "LayerError", "PipetrainError", "Schedule", "Action", "build_schedule"]
+           "LayeredModel", "LayerError", "PipetrainError", "Schedule", "Action", "build_schedule",
+           "build_data_parallel"]

@@ -11,7 +11,7 @@ from pipetrain.cli import _call_factory, _ints, _loss
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model
-from pipetrain.schedule import build_schedule
+from pipetrain.registry import build_schedule
 from pipetrain.simulate import Link, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
 from pathlib import Path
@@ -14,12 +13,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from pipetrain.layers import LayeredModel, check_boundaries
+from pipetrain.layers import LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
 from pipetrain.profiling import profile_model
+from pipetrain.registry import STRATEGIES, lookup
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, run_rank
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
-from pipetrain.schedule import SCHEDULES
 
 
 @dataclass
@@ -27,8 +26,10 @@ class TrainResult:
     """What a run gives back.
 
     Attributes:
-        model: the trained full model, gathered from all stages, same structure as the input model.
-        history: one record per optimizer step of the output stage: ``step``, ``epoch``, ``loss``,
+        model: the trained full model (gathered from all stages of a pipeline), same structure as the
+            input model.
+        history: one record per optimizer step of the output stage (of worker 0 for data parallelism,
+            with the minibatch's loss: the mean over the workers' shards): ``step``, ``epoch``, ``loss``,
             ``samples`` and ``samples_per_s`` (those samples over the time since the previous step),
             ``time`` (the output stage's perf_counter).
         samples_per_s: samples trained per second over the whole run, measured at the output stage.
@@ -36,7 +37,10 @@ class TrainResult:
         plan: the plan that placed the stages, when one did (``"auto"``, a Plan or a plan file).
         predicted_samples_per_s: the plan's prediction, batch size / its slowest stage's time.
         bytes_sent: per rank, tensor bytes it sent to other workers (activations, gradients, and its
-            share of a replicated stage's allreduce, estimated as a ring's 2(r-1)/r).
+            share of an allreduce: counted for pipe-sgd's ring, estimated as a ring's 2(r-1)/r of the
+            gradient for a replicated stage and DDP).
+        ring_seconds: per rank, how long each of pipe-sgd's ring allreduces took on its communication
+            thread (empty for other strategies).
         started: ``time.perf_counter()`` when ``train`` was called; on one machine it shares the clock
             of the history's ``time`` (so ``h["time"] - started`` is wall time since the call).
     """
@@ -49,36 +53,51 @@ class TrainResult:
     predicted_samples_per_s: float | None = None
     started: float = 0.0
     bytes_sent: list[int] = field(default_factory=list)
+    ring_seconds: list[list[float]] = field(default_factory=list)
 
 
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
-          optimizer: Callable[..., torch.optim.Optimizer], stages: Sequence[int] | Plan | str | os.PathLike,
-          workers: int | None = None, bandwidth: float | str = "10Gbit", schedule: str = "pipedream", vertical_sync: bool = False, batch_size: int = 32,
-          microbatches: int = 1, epochs: int = 1, shuffle: bool = True, seed: int = 0,
+          optimizer: Callable[..., torch.optim.Optimizer], strategy: str = "pipeline",
+          stages: Sequence[int] | Plan | str | os.PathLike | None = None, workers: int | None = None,
+          bandwidth: float | str = "10Gbit", schedule: str | None = None, vertical_sync: bool = False,
+          microbatches: int = 1, staleness: int | None = None, compression: str | None = None,
+          warmup_epochs: int = 0, batch_size: int = 32, epochs: int = 1, shuffle: bool = True, seed: int = 0,
           checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
           keep_checkpoints: int | None = 2, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False,
           progress: bool = False) -> TrainResult:
-    """Train ``model`` on ``dataset`` as a pipeline, one worker process per stage.
+    """Train ``model`` on ``dataset`` with several worker processes.
 
     Args:
-        model: an ``nn.Sequential`` or a ``torch.fx``-traceable module.
+        model: the model. For ``strategy="pipeline"`` an ``nn.Sequential`` or a ``torch.fx``-traceable
+            module (it is cut into layers); the data-parallel strategies take any module.
         dataset: a map-style dataset of ``(input, target)`` pairs.
-        loss_fn: ``loss_fn(output, target)`` of a minibatch; mean-reduced for microbatching.
+        loss_fn: ``loss_fn(output, target)`` of a minibatch; mean-reduced for microbatching and sharding.
         optimizer: a factory taking parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
-        stages: the first layer index of each stage (one worker each); or a ``Plan``, or a plan JSON
-            path (``pipetrain plan -o``), which may replicate stages; or ``"auto"``: profile the model
-            on the first minibatch and plan for ``workers`` at ``bandwidth`` (PipeDream §3.2).
-        workers: the worker count for ``"auto"``; with a plan, it must match the plan's.
+        strategy: ``"pipeline"`` (stages on workers, run by ``schedule``), ``"ddp"`` (PyTorch
+            DistributedDataParallel) or ``"pipe-sgd"`` (Pipe-SGD: the allreduce of minibatch t overlaps
+            the compute of the next K-1, in a ring that may compress); see :data:`pipetrain.registry.STRATEGIES`.
+        stages: pipeline: the first layer index of each stage (one worker each); or a ``Plan``, or a plan
+            JSON path (``pipetrain plan -o``), which may replicate stages; or ``"auto"``: profile the
+            model on the first minibatch and plan for ``workers`` at ``bandwidth`` (PipeDream §3.2).
+        workers: data parallel: the workers, each holding the whole model and taking batch_size /
+            workers samples of every minibatch (under torchrun: default WORLD_SIZE). Pipeline: the
+            worker count for ``"auto"``; with a plan, it must match the plan's.
         bandwidth: link speed the automatic plan assumes, bytes/s or a string such as ``"10Gbit"``.
-        schedule: ``pipedream``, ``naive``, ``gpipe``, ``1f1b-flush`` or ``model-parallel``.
-        vertical_sync: with ``pipedream``, every stage uses the input stage's weight version.
-        batch_size: samples per minibatch (one optimizer update).
-        microbatches: slices per minibatch for ``gpipe`` and ``1f1b-flush``.
+        schedule: pipeline: ``pipedream`` (default), ``naive``, ``gpipe``, ``1f1b-flush`` or ``model-parallel``.
+        vertical_sync: pipeline, with ``pipedream``: every stage uses the input stage's weight version.
+        microbatches: pipeline: slices per minibatch for ``gpipe`` and ``1f1b-flush``.
+        staleness: pipe-sgd: K (default 2); minibatch m of an epoch takes its gradient at the weights
+            after max(0, m-K+1) updates, and update j applies minibatch j-1's mean gradient; 1 is
+            synchronous SGD.
+        compression: pipe-sgd: ``None``, ``"trunc16"`` (upper 16 bits of each float32) or ``"quant8"``
+            (8 bits with a scale per group), applied inside the ring allreduce; float32 models only.
+        warmup_epochs: pipe-sgd: the first epochs run with K = 1.
+        batch_size: samples per minibatch (one optimizer update of the whole job).
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
-        checkpoint_dir: where each stage saves itself after every epoch; ``resume=True`` restarts
-            from the newest epoch all stages completed; each worker keeps its ``keep_checkpoints``
+        checkpoint_dir: where each worker saves itself after every epoch; ``resume=True`` restarts
+            from the newest epoch all workers completed; each worker keeps its ``keep_checkpoints``
             newest epochs (at least 2; None keeps all, e.g. to evaluate every epoch later with
             ``pipetrain.load_checkpoint``).
         timeout: seconds a worker waits on a silent peer before failing.
@@ -92,37 +111,57 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         PipetrainError: a worker failed; the message names it.
     """
     started = time.perf_counter()
-    layers = LayeredModel(model)
-    chosen = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, batch_size, bandwidth,
-                           _threads(threads, workers or 1), timeout)
-    boundaries = chosen.boundaries if chosen else [int(b) for b in stages]  # type: ignore[union-attr]
-    replicas = chosen.replicas if chosen else [1] * len(boundaries)
-    check_boundaries(boundaries, len(layers))
-    world = sum(replicas)
-    _check_args(schedule, vertical_sync, batch_size, microbatches, epochs, len(dataset),  # type: ignore[arg-type]
-                math.lcm(*replicas), checkpoint_dir, resume, keep_checkpoints)
-    if vertical_sync and world != len(replicas):
-        raise ValueError(f"vertical_sync needs one worker per stage; this plan replicates stages {replicas}")
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
-        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} workers but stages={boundaries} "
-                         f"needs {world}; launch with --nproc-per-node/--nnodes giving {world} in all")
-    cfg = JobConfig(model, dataset, loss_fn, optimizer, boundaries, replicas, schedule, vertical_sync,
-                    batch_size, microbatches, epochs, shuffle, seed,
-                    None if checkpoint_dir is None else str(checkpoint_dir), resume, keep_checkpoints, timeout,
-                    _threads(threads, world),
-                    bool(trace), progress)
+    if lookup(STRATEGIES, strategy, "strategy").data_parallel:
+        if workers is None and under_torchrun():
+            workers = int(os.environ["WORLD_SIZE"])
+        replicas = None if workers is None else [workers]
+        boundaries = None if stages is None else _boundaries(stages)
+        chosen = None
+    else:
+        if stages is None:
+            raise ValueError("strategy='pipeline' needs stages: first layer indices, a plan, or 'auto' "
+                             "(CLI: --stages 0,4 | --plan FILE | --plan auto --workers N)")
+        boundaries = replicas = chosen = None
+    settings = dict(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=strategy,
+                    boundaries=boundaries, replicas=replicas, schedule=schedule, vertical_sync=vertical_sync,
+                    microbatches=microbatches, staleness=staleness, compression=compression,
+                    warmup_epochs=warmup_epochs, batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
+                    checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir), resume=resume,
+                    keep_checkpoints=keep_checkpoints, timeout=timeout, trace=bool(trace), progress=progress)
+    cfg = JobConfig(**settings, threads=1)  # every check that needs no plan, before any profiling
+    if not cfg.data_parallel:
+        layers = LayeredModel(model)
+        chosen = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, batch_size, bandwidth,
+                               _threads(threads, workers or 1), timeout)
+        settings.update(boundaries=chosen.boundaries if chosen else _boundaries(stages),
+                        replicas=chosen.replicas if chosen else None)
+    cfg = JobConfig(**settings, threads=1)
+    cfg.threads = _threads(threads, cfg.world)
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != cfg.world:
+        job = f"strategy {strategy!r} with workers={cfg.world}" if cfg.data_parallel else f"stages={cfg.boundaries}"
+        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} workers but {job} needs {cfg.world}; "
+                         f"launch with --nproc-per-node/--nnodes giving {cfg.world} in all")
+    name = describe(cfg.replicas, cfg.data_parallel)  # type: ignore[arg-type]
     if under_torchrun():
         parts = run_rank(cfg)["parts"]
     else:
-        parts = spawn(run_rank, world, (cfg,), describe=describe(replicas))
-    result = _gather(model, parts)
+        parts = spawn(run_rank, cfg.world, (cfg,), describe=name)
+    result = _gather(model, parts, name)
     result.started = started
     if chosen is not None:
         result.plan = chosen
         result.predicted_samples_per_s = batch_size / chosen.stage_time_s if chosen.stage_time_s > 0 else None
     if trace and not isinstance(trace, bool) and int(os.environ.get("RANK", "0")) == 0:
-        _write_trace(result.traces, Path(trace), describe(replicas), f"{schedule}, stages {boundaries}")
+        what = f"{cfg.schedule}, stages {cfg.boundaries}" if not cfg.data_parallel else \
+            f"{strategy}, {cfg.world} workers"
+        _write_trace(result.traces, Path(trace), name, what)
     return result
+
+
+def _boundaries(stages: Any) -> list[int]:
+    if isinstance(stages, (str, os.PathLike, Plan)):
+        raise ValueError(f"stages={stages!r} is a plan; a data-parallel strategy takes no stages")
+    return [int(b) for b in stages]
 
 
 def _write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],
@@ -196,32 +235,9 @@ def _profile_and_plan(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     return plan(measured, workers, bandwidth)
 
 
-def _check_args(schedule: str, vertical_sync: bool, batch_size: int, microbatches: int, epochs: int,
-                n_items: int, lcm: int, checkpoint_dir: Any, resume: bool, keep: int | None) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if vertical_sync and schedule != "pipedream":
-        raise ValueError(f"vertical_sync applies to the 'pipedream' schedule, not {schedule!r}")
-    if batch_size < 1 or microbatches < 1 or epochs < 1:
-        raise ValueError(f"batch_size, microbatches and epochs must be >= 1 (got {batch_size}, "
-                         f"{microbatches}, {epochs})")
-    if batch_size % microbatches:
-        raise ValueError(f"batch_size {batch_size} is not divisible by microbatches {microbatches}; "
-                         "pick a batch size that splits evenly")
-    if microbatches > 1 and schedule not in ("gpipe", "1f1b-flush"):
-        raise ValueError(f"schedule {schedule!r} does not split minibatches; use microbatches=1 or "
-                         "'gpipe' / '1f1b-flush'")
-    if n_items < batch_size * lcm:
-        raise ValueError(f"the dataset has {n_items} items, fewer than one round of minibatches "
-                         f"({batch_size * lcm}); use a smaller batch_size")
-    if keep is not None and keep < 2:
-        raise ValueError(f"keep_checkpoints={keep}: keep at least 2 (a worker may be one epoch ahead of "
-                         "another, so resuming needs the previous epoch) or None for all")
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs checkpoint_dir (where the stages saved themselves)")
-
-
-def _gather(model: nn.Module, parts: list[dict[str, Any]]) -> TrainResult:
+def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], str]) -> TrainResult:
+    """The trained model and history from every rank's part. Data-parallel workers must end bitwise
+    identical: a difference is a bug, never a result."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
         state.update(part["state"])
@@ -231,10 +247,15 @@ def _gather(model: nn.Module, parts: list[dict[str, Any]]) -> TrainResult:
         raise PipetrainError(f"no stage returned {sorted(missing)[:3]}; those tensors are not used in "
                              "forward, so no stage owns them")
     full.load_state_dict(state)
+    same = [p["rank"] for p in parts if not p["state"] and p["digest"] != parts[0]["digest"]]
+    if same:
+        raise PipetrainError(f"{name(same[0])} ended with weights that differ from {name(0)}'s; data-parallel "
+                             "workers must stay identical (please report this)")
     history = sorted((h for part in parts for h in part["history"]), key=lambda h: h["step"])
     speed = 0.0
     if len(history) > 1 and history[-1]["time"] > history[0]["time"]:
         # history times are one process's clock: the output stage's (one replica of it)
         speed = sum(h["samples"] for h in history[1:]) / (history[-1]["time"] - history[0]["time"])
     return TrainResult(full, history, speed, [part["trace"] for part in parts],
-                       bytes_sent=[part["bytes_sent"] for part in parts])
+                       bytes_sent=[part["bytes_sent"] for part in parts],
+                       ring_seconds=[part["ring_seconds"] for part in parts])

@@ -97,3 +97,72 @@ def stage_memory_bytes(parameter_bytes: Num, stashed_activation_bytes: Num, in_f
         in_flight_count: from :func:`in_flight`.
     """
     return parameter_bytes * (1 + in_flight_count) + stashed_activation_bytes * in_flight_count
+
+
+# -- Pipe-SGD: Li et al., "Pipe-SGD: A Decentralized Pipelined SGD Framework for Distributed Deep Net
+# Training", NeurIPS 2018 (arXiv:1811.03619), §3.1. Notation: T iterations, l_up / l_comp / l_comm the
+# seconds of one iteration's update, gradient computation (forward + backward) and communication.
+
+def sync_sgd_time(iterations: Num, update_s: Num, compute_s: Num, comm_s: Num) -> Num:
+    """Eq. 2: synchronous SGD runs update, compute and communication one after the other:
+    ``l_total_sync = T (l_up + l_comp + l_comm)``."""
+    return iterations * (update_s + compute_s + comm_s)
+
+
+def pipe_sgd_ideal_time(iterations: Num, staleness: Num, update_s: Num, compute_s: Num, comm_s: Num) -> Num:
+    """Eq. 3: Pipe-SGD with K iterations interleaved and unlimited compute and links:
+    ``l_total_pipe = T / K (l_up + l_comp + l_comm)``."""
+    return iterations / staleness * (update_s + compute_s + comm_s)
+
+
+def pipe_sgd_time(iterations: Num, update_s: Num, compute_s: Num, comm_s: Num) -> Num:
+    """Eq. 4: Pipe-SGD (K >= 2) on one compute resource and one link per worker is bound by the
+    slower of the two: ``l_total_pipe = T max(l_up + l_comp, l_comm)``, whatever K."""
+    return iterations * np.maximum(update_s + compute_s, comm_s)
+
+
+def ring_allreduce_time(workers: Num, nbytes: Num, latency_s: Num, byte_s: Num, reduce_byte_s: Num,
+                        sync_s: Num = 0.0, segments: Num = 1) -> Num:
+    """The communication term of eq. 5 (``segments`` L = 1) and eq. 6 (L gradient segments, each
+    allreduced on its own): ``2 (p-1) L α + 2 (p-1)/p n β + (p-1)/p n γ + L S``.
+
+    A ring allreduce over p workers takes 2(p-1) steps, each sending one block of n/p bytes
+    (reduce-scatter, then all-gather; Thakur et al. 2005), and reduces (p-1)/p n bytes.
+
+    Args:
+        workers: p.
+        nbytes: n, the bytes of the gradient as sent (compressed: the codec's payload bytes, §3.2).
+        latency_s: α, per message.
+        byte_s: β, seconds per byte on the link (1 / bandwidth).
+        reduce_byte_s: γ, seconds per byte to reduce a received block. With compression inside the
+            ring it is what one reduce-scatter step costs per payload byte (decompress, add,
+            compress), and the code also charges it for the all-gather's decompressions and the
+            first compression (a departure: the paper's γ covers the sum only).
+        sync_s: S, the global synchronization time per allreduce.
+        segments: L.
+    """
+    return 2 * (workers - 1) * segments * latency_s + 2 * (workers - 1) / workers * nbytes * byte_s \
+        + (workers - 1) / workers * nbytes * reduce_byte_s + segments * sync_s
+
+
+def pipe_sgd_sequential_time(iterations: Num, update_s: Num, forward_s: Num, backward_s: Num,
+                             comm_s: Num) -> Num:
+    """Eq. 5: Pipe-SGD communicating the whole gradient once per iteration, after the backward:
+    ``T max(l_up + l_for + l_back, <ring term with L = 1>)``; ``comm_s`` is
+    :func:`ring_allreduce_time` with ``segments=1``. This is what pipetrain's pipe-sgd runs."""
+    return iterations * np.maximum(update_s + forward_s + backward_s, comm_s)
+
+
+def pipe_sgd_pipelined_time(iterations: Num, update_s: Num, forward_s: Num, first_backward_s: Num,
+                            comm_s: Num) -> Num:
+    """Eq. 6: Pipe-SGD communicating each of L gradient segments as soon as the backward made it:
+    ``T max(l_up + l_for + l_b, <ring term with L segments>)``, l_b the backward of the first segment
+    and ``comm_s`` :func:`ring_allreduce_time` with ``segments=L``. When communication bound, eq. 5
+    is smaller (L latencies and syncs instead of one), which is why pipetrain sends the gradient whole."""
+    return iterations * np.maximum(update_s + forward_s + first_backward_s, comm_s)
+
+
+def scaling_efficiency(update_s: Num, compute_s: Num, comm_s: Num) -> Num:
+    """Eq. 7: actual over ideal speedup of Pipe-SGD on p workers at the single node's per-worker batch:
+    ``SE = (l_up + l_comp) / max(l_up + l_comp, l_comm)``; 1 once compute bound."""
+    return (update_s + compute_s) / np.maximum(update_s + compute_s, comm_s)

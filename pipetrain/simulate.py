@@ -6,15 +6,20 @@ format and :mod:`pipetrain.trace` draws both.
 [Note: timing rules] Every worker runs its actions in order, with no gaps:
 
 * ``F``/``B`` last the stage's forward/backward seconds (sum over its layers), divided by the
-  microbatch count for microbatched schedules;
+  microbatch count for microbatched schedules, and taken at 1/r of the batch on each of r workers of
+  a sharded (data-parallel) schedule;
 * a send (``SF``/``SB``) is asynchronous: 0 s on the sender. The transfer is queued FIFO on the
   (sender -> receiver) link, which carries one transfer at a time, each occupying it for
   ``latency + bytes / bandwidth``;
 * a receive (``RF``/``RB``) lasts until its message has arrived (its record includes the wait,
   as the runtime's does);
-* a gradient sync ``S`` lasts until every replica of the stage reached its matching ``S``, plus
-  ``latency + costs.dp_sync_bytes(|w|, m) / bandwidth`` (PipeDream §3.2's parameter-server W^m;
-  the sync does not compete with the pipeline's transfers for the links);
+* ``A`` starts a gradient sync and lasts 0 s; the k-th sync of a stage begins once every worker of
+  the stage has started it and the stage's previous sync has ended (one sync at a time, as on a
+  communication thread), and lasts the stage's sync seconds: by default
+  ``latency + costs.dp_sync_bytes(|w|, m) / bandwidth`` (PipeDream §3.2's parameter-server W^m), or
+  what the caller gives (e.g. Pipe-SGD's ring model, :func:`pipetrain.costs.ring_allreduce_time`);
+  syncs do not compete with the pipeline's transfers for the links;
+* ``S`` lasts until its sync has ended (its record includes the wait);
 * ``U`` lasts ``update_s`` (default 0).
 
 Each link has a single sender, which issues transfers in program order, and every other time is a
@@ -30,11 +35,11 @@ from dataclasses import dataclass, field
 
 from pipetrain.costs import dp_sync_bytes
 from pipetrain.layers import check_boundaries
-from pipetrain.planning.result import Plan, check_fits
 from pipetrain.profiling import Profile
-from pipetrain.schedule import Schedule, build_schedule, validate
+from pipetrain.registry import SCHEDULES
+from pipetrain.schedule import Schedule, validate
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, SYNC, UPDATE, Action,
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
 )
 from pipetrain.trace import Record
 
@@ -79,6 +84,11 @@ class StageCost:
     output_bytes: float
     stash_bytes: float
     parameter_bytes: int
+
+    def share(self, parts: int) -> StageCost:
+        """The cost of 1/``parts`` of the minibatch (times and activations scale, weights do not)."""
+        return StageCost(self.forward_s / parts, self.backward_s / parts, self.output_bytes / parts,
+                         self.stash_bytes / parts, self.parameter_bytes)
 
 
 def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | None = None) -> list[StageCost]:
@@ -156,23 +166,27 @@ class SimResult:
 class _Sim:
     """The mutable state of one simulation; see [Note: timing rules]."""
 
-    def __init__(self, schedule: Schedule, costs: list[StageCost], link: Link, update_s: float) -> None:
+    def __init__(self, schedule: Schedule, costs: list[StageCost], link: Link, update_s: float,
+                 sync_s: Sequence[float] | None) -> None:
         self.sched, self.costs, self.link, self.update_s = schedule, costs, link, update_s
         n = schedule.num_workers
         self.pos, self.clock = [0] * n, [0.0] * n
         self.trace: list[list[Record]] = [[] for _ in range(n)]
         self.arrival: dict[tuple[int, str, int, int | None], float] = {}  # (dst, recv kind, mb, micro)
         self.link_free: dict[tuple[int, int], float] = defaultdict(float)
-        self.sync_reached: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)  # (stage, k) -> w: t
-        self.syncs_done, self.updates = [0] * n, [0] * n
+        self.sync_started: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)  # (stage, k) -> w: t
+        self.sync_end: dict[tuple[int, int], float] = {}  # (stage, k) -> when the k-th sync ended
+        self.starts, self.waits, self.updates = [0] * n, [0] * n, [0] * n
+        self.stashes = SCHEDULES[schedule.name].weights == "stash" if schedule.name in SCHEDULES else False
         self.busy_s = [0.0] * n
         self.update_end: list[list[float]] = [[] for _ in range(n)]
         self.versions: list[dict[int, int]] = [{} for _ in range(n)]  # in-flight mb -> version its F saw
         self.in_flight = [0] * n  # (micro)batches between F and B
         self.peak_versions, self.peak_in_flight = [1] * n, [0] * n
         # PipeDream §3.2's W^m: the parameter-server volume over one link; nothing for one replica
-        self.sync_s = [0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r))
-                       for c, r in zip(costs, schedule.replicas)]
+        self.sync_s = list(sync_s) if sync_s is not None else [
+            0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r))
+            for c, r in zip(costs, schedule.replicas)]
 
     def run(self) -> None:
         acts = self.sched.actions
@@ -213,12 +227,16 @@ class _Sim:
         if a.kind in (RECV_ACT, RECV_GRAD):
             arrived = self.arrival.pop((w, a.kind, a.mb, a.micro), None)
             return None if arrived is None else max(start, arrived)
+        if a.kind == START_SYNC:
+            k = self.starts[w]
+            started = self.sync_started[(s, k)]
+            started[w] = start
+            if len(started) == self.sched.replicas[s]:  # the last worker in starts it
+                self.sync_end[(s, k)] = max(max(started.values()), self.sync_end.get((s, k - 1), 0.0)) + self.sync_s[s]
+            return start
         if a.kind == SYNC:
-            reached = self.sync_reached[(s, self.syncs_done[w])]
-            reached[w] = start
-            if len(reached) < self.sched.replicas[s]:
-                return None
-            return max(reached.values()) + self.sync_s[s]
+            end = self.sync_end.get((s, self.waits[w]))
+            return None if end is None else max(start, end)
         assert a.kind == UPDATE
         return start + self.update_s
 
@@ -226,8 +244,10 @@ class _Sim:
         """Track busy time, syncs, updates, in-flight minibatches and the weight versions they hold."""
         if a.kind in (FORWARD, BACKWARD):
             self.busy_s[w] += seconds
-        if a.kind == SYNC:
-            self.syncs_done[w] += 1
+        if a.kind == START_SYNC:
+            self.starts[w] += 1
+        elif a.kind == SYNC:
+            self.waits[w] += 1
         elif a.kind == UPDATE:
             self.updates[w] += 1
             self.update_end[w].append(self.clock[w])
@@ -236,7 +256,7 @@ class _Sim:
             self.peak_in_flight[w] = max(self.peak_in_flight[w], self.in_flight[w])
             if a.micro in (None, 0):
                 self.versions[w][a.mb] = self.updates[w]
-                if self.sched.name == "pipedream":  # the only schedule that stashes weights
+                if self.stashes:  # only a stashing schedule holds a version per minibatch
                     self.peak_versions[w] = max(self.peak_versions[w], len(set(self.versions[w].values())))
         elif a.kind == BACKWARD:
             self.in_flight[w] -= 1
@@ -245,7 +265,8 @@ class _Sim:
 
 
 def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], link: Link = Link(),
-             batch_size: int | None = None, update_s: float = 0.0) -> SimResult:
+             batch_size: int | None = None, update_s: float = 0.0,
+             sync_s: Sequence[float] | None = None) -> SimResult:
     """Predict a schedule's timeline and throughput from a profile and a link model.
 
     Args:
@@ -254,8 +275,10 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         boundaries: the first layer index of each stage; one per stage of ``schedule``.
         link: every point-to-point link direction, and the link used for gradient syncs.
         batch_size: samples per minibatch (default: the profile's); costs scale linearly with it
-            (see :func:`stage_costs`).
+            (see :func:`stage_costs`); a sharded schedule's workers each take 1/r of it.
         update_s: seconds per optimizer step.
+        sync_s: seconds one gradient sync of each stage takes (default: PipeDream's W^m, see
+            [Note: timing rules]).
 
     Returns:
         The predicted SimResult; see [Note: timing rules] for how each action is timed.
@@ -269,7 +292,12 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
                          "give the first layer of every stage")
     validate(schedule)  # clear errors for a bad schedule before timing it
     batch = profile.batch_size if batch_size is None else batch_size
-    sim = _Sim(schedule, stage_costs(profile, boundaries, batch_size), link, update_s)
+    if sync_s is not None and len(sync_s) != schedule.num_stages:
+        raise ValueError(f"{len(sync_s)} sync times for a {schedule.num_stages}-stage schedule; give one per stage")
+    costs = stage_costs(profile, boundaries, batch_size)
+    if schedule.sharded:  # each of r workers computes on its 1/r of the minibatch
+        costs = [c.share(schedule.replicas[0]) for c in costs]
+    sim = _Sim(schedule, costs, link, update_s, sync_s)
     sim.run()
     makespan = max(sim.clock, default=0.0)
     busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]
@@ -283,32 +311,14 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         trace=sim.trace)
 
 
-def simulate_plan(plan: Plan, profile: Profile, schedule: str = "pipedream", *, minibatches: int,
-                  microbatches: int = 1, link: Link = Link(), batch_size: int | None = None,
-                  update_s: float = 0.0) -> SimResult:
-    """Simulate a partitioner's plan under a named schedule.
-
-    Args:
-        plan: stages and replicas, e.g. from ``Plan.load(path)``.
-        profile: the profile the plan was made from.
-        schedule: a name from ``pipetrain.schedule.SCHEDULES``.
-        minibatches, microbatches: as for ``build_schedule``.
-        link, batch_size, update_s: as for :func:`simulate`.
-
-    Raises:
-        ValueError: a plan for another layer count, or a schedule that cannot run the plan.
-    """
-    check_fits(plan, len(profile), "plan")
-    built = build_schedule(schedule, plan.replicas, minibatches, microbatches)
-    return simulate(built, profile, plan.boundaries, link, batch_size, update_s)
-
-
 def _minibatches_per_s(schedule: Schedule, update_end: list[list[float]], makespan: float) -> float:
     """Minibatches/s between the output stage's first and last optimizer steps (see SimResult)."""
     last = schedule.num_stages - 1
     steps = update_end[schedule.first_worker(last)]
     if len(steps) >= 2 and steps[-1] > steps[0]:
-        # one step of a replicated stage applies the minibatches of all its replicas
-        return (len(steps) - 1) * schedule.replicas[last] / (steps[-1] - steps[0])
+        # one step of a replicated stage applies the minibatches of all its replicas (of a sharded
+        # stage, one minibatch split over them)
+        per_step = 1 if schedule.sharded else schedule.replicas[last]
+        return (len(steps) - 1) * per_step / (steps[-1] - steps[0])
     minibatches = len({a.mb for acts in schedule.actions for a in acts})
     return minibatches / makespan if makespan > 0 else math.inf

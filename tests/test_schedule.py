@@ -1,7 +1,8 @@
 """Schedules as data: exact orders, text round trip, deadlock freedom and in-flight counts."""
 import pytest
 
-from pipetrain.schedule import Action, Schedule, ScheduleError, build_schedule, noam, validate
+from pipetrain.registry import build_schedule
+from pipetrain.schedule import Action, Schedule, ScheduleError, noam, validate
 
 # PipeDream Figure 8 (n = 4, NOAM = 4): compute order per stage, 0-based minibatch ids.
 FIGURE_8 = """

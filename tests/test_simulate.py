@@ -9,9 +9,10 @@ import pytest
 from pipetrain.cli import main
 from pipetrain.planning.result import Plan, StagePlan
 from pipetrain.profiling import LayerProfile, Profile
-from pipetrain.schedule import ScheduleError, build_schedule
+from pipetrain.registry import build_schedule
+from pipetrain.schedule import ScheduleError
 from pipetrain.schedule.actions import Action, Schedule
-from pipetrain.simulate import Link, simulate, simulate_plan, stage_costs
+from pipetrain.simulate import Link, simulate, stage_costs
 
 F, B = 1e-3, 2e-3  # seconds per layer per minibatch; backward = 2 x forward as in practice
 
@@ -115,16 +116,6 @@ def test_bad_inputs_fail_clearly():
         simulate(stuck, equal_profile(2), [0, 1])
     with pytest.raises(ValueError, match="bandwidth > 0"):
         Link(0.0)
-
-
-def test_simulate_plan_uses_its_stages_and_replicas():
-    plan = Plan([StagePlan(0, 1, 2), StagePlan(2, 2, 1)], noam=2, stage_time_s=0.0, speedup_vs_one=1.0,
-                speedup_vs_dp=1.0)
-    result = simulate_plan(plan, equal_profile(3), minibatches=4)
-    assert len(result.trace) == 3
-    assert result.samples_per_s == pytest.approx(1 / (F + B))  # both stages take F + B per minibatch
-    with pytest.raises(ValueError, match="made for a model of 3 layers"):
-        simulate_plan(plan, equal_profile(4), minibatches=4)
 
 
 def test_unknown_batch_size_gives_minibatches_only():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pipetrain.schedule import build_schedule
+from pipetrain.registry import build_schedule
 from pipetrain.simulate import simulate
 from pipetrain.trace import aligned, draw_timeline, write_chrome_trace
 from test_simulate import equal_profile

@@ -60,12 +60,19 @@ def latest_common_epoch(directory: str | os.PathLike, world_size: int) -> int | 
     return max(common) if common else None
 
 
-def load(directory: str | os.PathLike, rank: int, epoch: int, layers: tuple[int, int]) -> dict[str, Any]:
-    """Load (rank, epoch) with ``weights_only=True``; check it holds the same layer range."""
-    state = torch.load(path(directory, rank, epoch), map_location="cpu", weights_only=True)
-    if tuple(state["layers"]) != tuple(layers):
-        raise CheckpointError(f"{path(directory, rank, epoch)} holds layers {tuple(state['layers'])} but this job "
-                              f"puts layers {layers} on rank {rank}; resume with the same stages or use a new "
+def load(directory: str | os.PathLike, rank: int, epoch: int, layers: tuple[int, int] | None,
+         strategy: str = "pipeline") -> dict[str, Any]:
+    """Load (rank, epoch) with ``weights_only=True``; check it was saved by the same strategy and holds
+    the same layer range (``None``: the whole model, as data-parallel workers hold it)."""
+    state = torch.load(path(directory, rank, epoch), map_location="cpu", weights_only=True, mmap=True)
+    saved_by = state.get("strategy", "pipeline")
+    if saved_by != strategy:
+        raise CheckpointError(f"{path(directory, rank, epoch)} was saved by strategy {saved_by!r}, this job runs "
+                              f"{strategy!r}; resume with the same strategy or use a new checkpoint directory")
+    saved = None if state["layers"] is None else tuple(state["layers"])
+    if saved != (None if layers is None else tuple(layers)):
+        raise CheckpointError(f"{path(directory, rank, epoch)} holds layers {saved or 'all'} but this job "
+                              f"puts layers {layers or 'all'} on rank {rank}; resume with the same stages or use a new "
                               "checkpoint directory")
     return state
 

@@ -1,10 +1,11 @@
 """What one rank does from start to end: set up, train epoch by epoch, checkpoint, report."""
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -13,58 +14,226 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from pipetrain.layers import LayeredModel
+from pipetrain.layers import LayeredModel, check_boundaries
+from pipetrain.registry import SCHEDULES, STRATEGIES, StrategySpec, build_data_parallel, build_schedule, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.weights import POLICIES
-from pipetrain.runtime.worker import NonFiniteLoss, Worker, epoch_order, per_epoch
-from pipetrain.schedule import FLUSH_SCHEDULES, Schedule, build_schedule, warmup
-from pipetrain.strategies import ReplicaAllreduce
+from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, epoch_order, per_epoch
+from pipetrain.schedule import Schedule, warmup
+from pipetrain.strategies.base import SyncContext
+from pipetrain.strategies.compression import get_codec
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobConfig:
-    """Everything every rank needs; validated by ``pipetrain.train`` before any process starts."""
+    """Everything every rank needs, checked in one place (``__post_init__``) before any process starts.
+
+    Options a strategy does not take are None (or their off value) and must stay so; the others get
+    their defaults here. Each check raises a one-line ValueError saying what is wrong and what to do.
+
+    Attributes:
+        model, dataset, loss_fn, optimizer: as given to ``pipetrain.train``.
+        strategy: a :data:`pipetrain.registry.STRATEGIES` name.
+        boundaries: first layer of each stage (pipeline; None until a plan is resolved, and for
+            data parallelism, where every worker runs the whole model).
+        replicas: workers per stage; data parallelism: ``[workers]``.
+        schedule, vertical_sync, microbatches: pipeline options.
+        staleness, warmup_epochs, compression: data-parallel options (Pipe-SGD).
+        batch_size: samples per optimizer update of the whole job (data parallelism splits it into
+            one equal shard per worker).
+        epochs, shuffle, seed, checkpoint_dir, resume, keep_checkpoints, timeout, threads, trace,
+        progress: as given to ``pipetrain.train``.
+    """
 
     model: nn.Module
     dataset: Dataset
     loss_fn: Callable[[Any, Any], torch.Tensor]
     optimizer: Callable[..., torch.optim.Optimizer]
-    boundaries: list[int]          # first layer of each stage
-    replicas: list[int]            # workers per stage
-    schedule: str
-    vertical_sync: bool
-    batch_size: int
-    microbatches: int
-    epochs: int
-    shuffle: bool
-    seed: int
-    checkpoint_dir: str | None
-    resume: bool
-    keep_checkpoints: int | None
-    timeout: float
-    threads: int
-    trace: bool
-    progress: bool
+    strategy: str = "pipeline"
+    boundaries: list[int] | None = None
+    replicas: list[int] | None = None
+    schedule: str | None = None
+    vertical_sync: bool = False
+    microbatches: int = 1
+    staleness: int | None = None
+    warmup_epochs: int = 0
+    compression: str | None = None
+    batch_size: int = 32
+    epochs: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    keep_checkpoints: int | None = 2
+    timeout: float = 300.0
+    threads: int = 1
+    trace: bool = False
+    progress: bool = False
+    _num_layers: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        self._check_options(spec)
+        if self.batch_size < 1 or self.microbatches < 1 or self.epochs < 1:
+            raise ValueError(f"batch_size, microbatches and epochs must be >= 1 (got {self.batch_size}, "
+                             f"{self.microbatches}, {self.epochs})")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 2:
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints}: keep at least 2 (a worker may be one "
+                             "epoch ahead of another, so resuming needs the previous epoch) or None for all")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume=True needs checkpoint_dir (where the workers saved themselves)")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout={self.timeout}: give the seconds a worker waits on a silent peer (> 0)")
+        if spec.data_parallel:
+            self._check_data_parallel(spec)
+        else:
+            self._check_pipeline()
+
+    @property
+    def spec(self) -> StrategySpec:
+        return lookup(STRATEGIES, self.strategy, "strategy")
+
+    def _check_options(self, spec: StrategySpec) -> None:
+        """Options only other strategies take must be left at their defaults; fill in this one's."""
+        given = {"stages": self.boundaries is not None, "schedule": self.schedule is not None,
+                 "vertical_sync": self.vertical_sync, "microbatches": self.microbatches != 1,
+                 "staleness": self.staleness is not None, "compression": self.compression is not None,
+                 "warmup_epochs": self.warmup_epochs != 0}
+        for option, is_given in given.items():
+            if is_given and option not in spec.options:
+                takes = [s.name for s in STRATEGIES.values() if option in s.options]
+                raise ValueError(f"{option} applies to strategy {' or '.join(map(repr, takes))}, not "
+                                 f"{self.strategy!r}; leave it out or change the strategy")
+        if "schedule" in spec.options:
+            self.schedule = self.schedule or "pipedream"
+        if spec.stale:
+            self.staleness = 2 if self.staleness is None else self.staleness
+
+    def _check_data_parallel(self, spec: StrategySpec) -> None:
+        if self.replicas is None or len(self.replicas) != 1:
+            raise ValueError(f"strategy {self.strategy!r} needs workers=N (CLI: --workers N), the data-parallel "
+                             "workers, each holding the whole model")
+        workers = self.replicas[0]
+        if workers < 1:
+            raise ValueError(f"workers={workers} must be at least 1")
+        if self.batch_size % workers:
+            raise ValueError(f"batch_size {self.batch_size} does not split into {workers} equal shards; use a "
+                             f"multiple of {workers} (each worker takes batch_size / workers samples)")
+        if self.staleness is not None and self.staleness < 1:
+            raise ValueError(f"staleness={self.staleness} must be at least 1 (1 is synchronous SGD; Pipe-SGD "
+                             "uses 2)")
+        if self.warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs={self.warmup_epochs} must be >= 0")
+        codec = get_codec(self.compression)
+        dtypes = {p.dtype for p in self.model.parameters() if p.requires_grad}
+        if codec.lossy and dtypes != {torch.float32}:
+            raise ValueError(f"compression={self.compression!r} works on float32 gradients, but the model's "
+                             f"parameters are {', '.join(sorted(str(d) for d in dtypes))}; use a float32 model "
+                             "or compression=None")
+        self._check_items(1)
+        self._check_checkpoints()
+
+    def _check_pipeline(self) -> None:
+        sched = lookup(SCHEDULES, self.schedule, "schedule")  # type: ignore[arg-type]
+        if self.vertical_sync and sched.weights != "stash":
+            raise ValueError(f"vertical_sync applies to the 'pipedream' schedule, not {self.schedule!r}")
+        if self.batch_size % self.microbatches:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by microbatches {self.microbatches}; "
+                             "pick a batch size that splits evenly")
+        if self.microbatches > 1 and not sched.microbatched:
+            takes = " / ".join(repr(s.name) for s in SCHEDULES.values() if s.microbatched)
+            raise ValueError(f"schedule {self.schedule!r} does not split minibatches; use microbatches=1 or {takes}")
+        if self.boundaries is None:
+            return  # the plan is not resolved yet; checked again once it is
+        if self.replicas is None:
+            self.replicas = [1] * len(self.boundaries)
+        if len(self.replicas) != len(self.boundaries) or any(r < 1 for r in self.replicas):
+            raise ValueError(f"replicas {self.replicas} must give a positive worker count for each of the "
+                             f"{len(self.boundaries)} stages")
+        if not self._num_layers:
+            self._num_layers = len(LayeredModel(self.model))
+        check_boundaries(self.boundaries, self._num_layers)
+        if self.vertical_sync and self.world != len(self.replicas):
+            raise ValueError(f"vertical_sync needs one worker per stage; this plan replicates stages {self.replicas}")
+        self._check_items(math.lcm(*self.replicas))
+        self._check_checkpoints()
+
+    def _check_checkpoints(self) -> None:
+        """A resumed job must find checkpoints this layout and strategy saved (the workers load them)."""
+        if not self.resume or self.checkpoint_dir is None:
+            return
+        done = checkpoint.latest_common_epoch(self.checkpoint_dir, self.world)
+        for rank in range(self.world if done is not None else 0):
+            span = None if self.data_parallel else self.layer_range(self.stage_of(rank), self._num_layers)
+            checkpoint.load(self.checkpoint_dir, rank, done, span, self.strategy)  # type: ignore[arg-type]
+
+    def _check_items(self, rounds: int) -> None:
+        n_items = len(self.dataset)  # type: ignore[arg-type]
+        if n_items < self.batch_size * rounds:
+            raise ValueError(f"the dataset has {n_items} items, fewer than one round of minibatches "
+                             f"({self.batch_size * rounds}); use a smaller batch_size")
+
+    # -- what the ranks read ------------------------------------------------------------------------
+    @property
+    def data_parallel(self) -> bool:
+        return self.spec.data_parallel
+
+    @property
+    def world(self) -> int:
+        assert self.replicas is not None
+        return sum(self.replicas)
+
+    @property
+    def rounds(self) -> int:
+        """Minibatches an epoch's count must be a multiple of (every replica of a stage joins every sync)."""
+        assert self.replicas is not None
+        return 1 if self.data_parallel else math.lcm(*self.replicas)
+
+    def stage_of(self, rank: int) -> int:
+        assert self.replicas is not None
+        return next(s for s in range(len(self.replicas)) if rank < sum(self.replicas[:s + 1]))
+
+    def reporter(self, rank: int) -> bool:
+        """Does ``rank`` record the training history (the output stage; rank 0 of data parallelism)?"""
+        assert self.replicas is not None
+        return rank == 0 if self.data_parallel else rank >= self.world - self.replicas[-1]
+
+    def staleness_at(self, epoch: int) -> int:
+        """K for ``epoch``: 1 (synchronous) during the warm-up epochs and for synchronous strategies."""
+        return 1 if self.staleness is None or epoch < self.warmup_epochs else self.staleness
+
+    def schedule_for(self, epoch: int, minibatches: int) -> Schedule:
+        if self.data_parallel:
+            return build_data_parallel(self.strategy, self.world, minibatches, self.staleness_at(epoch))
+        assert self.schedule is not None and self.replicas is not None
+        return build_schedule(self.schedule, self.replicas, minibatches, self.microbatches)
 
     def layer_range(self, stage: int, num_layers: int) -> tuple[int, int]:
+        assert self.boundaries is not None
         ends = [*self.boundaries[1:], num_layers]
         return self.boundaries[stage], ends[stage] - 1
 
-    def policy_name(self) -> str:
-        if self.schedule in FLUSH_SCHEDULES:
+    def policy_name(self, stage: int) -> str:
+        """The weight policy of ``stage``'s workers (:data:`pipetrain.runtime.weights.POLICIES`)."""
+        if self.data_parallel:
             return "live"
-        if self.schedule == "naive":
-            return "naive"
-        return "vertical" if self.vertical_sync else "stash"
+        assert self.schedule is not None and self.replicas is not None
+        name = "vertical" if self.vertical_sync else SCHEDULES[self.schedule].weights
+        if name == "stash" and warmup(self.replicas, stage) == 1:
+            return "live"  # one minibatch in flight: no update between its forward and backward
+        return name
 
 
-def describe(replicas: list[int]) -> Callable[[int], str]:
-    """rank -> ``"stage s (rank r)"`` (``"stage s replica i (rank r)"`` for replicated stages)."""
+def describe(replicas: list[int], data_parallel: bool = False) -> Callable[[int], str]:
+    """rank -> ``"stage s (rank r)"`` (``"stage s replica i (rank r)"`` for replicated stages,
+    ``"worker r"`` for data parallelism)."""
     owner = [(s, i) for s, r in enumerate(replicas) for i in range(r)]
 
     def name(rank: int) -> str:
         s, i = owner[rank]
+        if data_parallel:
+            return f"worker {rank}"
         return f"stage {s} (rank {rank})" if replicas[s] == 1 else f"stage {s} replica {i} (rank {rank})"
     return name
 
@@ -97,7 +266,7 @@ def init_distributed(timeout: float) -> torch.device:
 
 
 def run_rank(cfg: JobConfig) -> dict[str, Any]:
-    """Train this rank's stage; return its state, history (output stage) and trace, as plain data."""
+    """Train this rank's part; return its state, history (reporting ranks) and trace, as plain data."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -111,60 +280,69 @@ def run_rank(cfg: JobConfig) -> dict[str, Any]:
 
 
 def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    layers = LayeredModel(cfg.model)
-    probe = Schedule("probe", tuple(cfg.replicas), tuple(() for _ in range(world)))
-    stage_idx = probe.stage_of(rank)
-    span = cfg.layer_range(stage_idx, len(layers))
-    stage = layers.stage(*span).to(device)
+    assert cfg.replicas is not None
+    stage_idx = cfg.stage_of(rank)
+    if cfg.data_parallel:
+        span, stage = None, cfg.model.to(device)  # every worker holds the whole model
+    else:
+        layers = LayeredModel(cfg.model)
+        span = cfg.layer_range(stage_idx, len(layers))
+        stage = layers.stage(*span).to(device)
     params = [p for p in stage.parameters() if p.requires_grad]
     optimizer = cfg.optimizer(params) if params else None
     start, version = 0, 0
     if cfg.resume and cfg.checkpoint_dir:
         done = checkpoint.latest_common_epoch(cfg.checkpoint_dir, world)
         if done is not None:
-            state = checkpoint.load(cfg.checkpoint_dir, rank, done, span)
+            state = checkpoint.load(cfg.checkpoint_dir, rank, done, span, cfg.strategy)
             stage.load_state_dict(state["model"])
             if optimizer is not None:
                 optimizer.load_state_dict(state["optimizer"])
             start, version = done + 1, state["version"]
-    name = cfg.policy_name()
-    if name == "stash" and warmup(cfg.replicas, stage_idx) == 1:
-        name = "live"  # one minibatch in flight: no update between its forward and backward
-    policy = POLICIES[name](stage)
+    policy = POLICIES[cfg.policy_name(stage_idx)](stage)
     policy.version = version
-    transport = Transport(rank, edges(cfg.replicas), describe(cfg.replicas), device, cfg.timeout)
-    # every rank makes every replicated stage's group, in stage order, as new_group requires
-    groups = {s: dist.new_group(list(range(probe.first_worker(s), probe.first_worker(s) + r)))
-              for s, r in enumerate(cfg.replicas) if r > 1}
-    sync = ReplicaAllreduce(groups[stage_idx], cfg.replicas[stage_idx]) if stage_idx in groups else None
-    worker = Worker(rank, stage, policy, optimizer, transport, cfg.dataset, cfg.loss_fn, cfg.batch_size,
-                    device, grad_sync=sync, trace=[] if cfg.trace else None)
+    name = describe(cfg.replicas, cfg.data_parallel)
+    transport = Transport(rank, edges(cfg.replicas), name, device, cfg.timeout)
+    sync = cfg.spec.synchronizer(SyncContext(rank, tuple(cfg.replicas), device, cfg.timeout, cfg.compression,
+                                                 stage_idx))
+    first = sum(cfg.replicas[:stage_idx])
+    worker = Worker(rank, sync.wrap(stage) if sync else stage, policy, optimizer, transport, cfg.dataset,
+                    cfg.loss_fn, cfg.batch_size, device, grad_sync=sync, trace=[] if cfg.trace else None,
+                    shard=(rank - first, cfg.replicas[stage_idx]) if cfg.data_parallel else (0, 1))
 
     n_items = len(cfg.dataset)  # type: ignore[arg-type]
-    lcm = math.lcm(*cfg.replicas)
-    k = per_epoch(n_items, cfg.batch_size, lcm)
-    bar = _progress(cfg, rank, world, (cfg.epochs - start) * k)
+    k = per_epoch(n_items, cfg.batch_size, cfg.rounds)
+    bar = _progress(cfg, rank, (cfg.epochs - start) * k)
     on_step = (lambda rec: bar.update(1) or bar.set_postfix(loss=f"{rec.loss:.4f}")) if bar else None
     for epoch in range(start, cfg.epochs):
-        batches = epoch_order(n_items, cfg.batch_size, epoch, cfg.shuffle, cfg.seed, lcm)
-        schedule = build_schedule(cfg.schedule, cfg.replicas, len(batches), cfg.microbatches)
+        batches = epoch_order(n_items, cfg.batch_size, epoch, cfg.shuffle, cfg.seed, cfg.rounds)
         try:
-            worker.run_epoch(schedule, epoch, batches, epoch * k, on_step)
+            worker.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
         except NonFiniteLoss as e:
             kept = checkpoint.latest_common_epoch(cfg.checkpoint_dir, world) if cfg.checkpoint_dir else None
             where = f"the checkpoint of epoch {kept} in {cfg.checkpoint_dir} is kept" if kept is not None \
                 else "no checkpoint was saved"
             raise NonFiniteLoss(f"{e}; training stopped, {where}; lower the learning rate") from None
+        if cfg.data_parallel:
+            _mean_losses(worker.history[-len(batches):], cfg.world, device)
         if cfg.checkpoint_dir:
             checkpoint.save(cfg.checkpoint_dir, rank, epoch, {
                 "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
-                "epoch": epoch, "version": policy.version, "layers": list(span)}, keep=cfg.keep_checkpoints)
+                "epoch": epoch, "version": policy.version, "layers": None if span is None else list(span),
+                "strategy": cfg.strategy}, keep=cfg.keep_checkpoints)
     if bar:
         bar.close()
+    if sync:
+        sync.close()
     transport.close()
-    result = {"rank": rank, "state": {k: v.detach().cpu() for k, v in stage.state_dict().items()},
-              "history": [asdict(h) for h in worker.history], "trace": worker.trace or [],
-              "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0)}
+    state = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
+    result = {"rank": rank, "digest": _digest(state),
+              # data parallelism: every worker holds the same model; rank 0's comes back, the others' digests
+              "state": state if not cfg.data_parallel or rank == 0 else {},
+              "history": [asdict(h) for h in worker.history] if cfg.reporter(rank) else [],
+              "trace": worker.trace or [],
+              "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
+              "ring_seconds": list(getattr(sync, "ring_seconds", []))}
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":  # torchrun: every rank gets every rank's part
         parts: list[Any] = [None] * world
         dist.all_gather_object(parts, result)
@@ -172,8 +350,26 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
     return result
 
 
-def _progress(cfg: JobConfig, rank: int, world: int, total: int):
-    if not cfg.progress or rank != world - 1:
+def _mean_losses(records: list[StepRecord], world: int, device: torch.device) -> None:
+    """Each data-parallel worker saw the loss of its shard; record the minibatch's (the mean over
+    shards of equal size) with one allreduce per epoch, not one per step."""
+    losses = torch.tensor([r.loss for r in records], dtype=torch.float64, device=device)
+    dist.all_reduce(losses)
+    for r, value in zip(records, (losses / world).tolist()):
+        r.loss = value
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    """A hash of every tensor's bytes: equal digests mean bitwise equal weights."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        h.update(key.encode())
+        h.update(state[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _progress(cfg: JobConfig, rank: int, total: int) -> Any:
+    if not cfg.progress or rank != (0 if cfg.data_parallel else cfg.world - 1):
         return None
     import threading
 

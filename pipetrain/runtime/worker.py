@@ -16,7 +16,7 @@ from pipetrain.layers import flatten, unflatten
 from pipetrain.runtime.transport import Message, Transport
 from pipetrain.runtime.weights import Live
 from pipetrain.schedule import Action, Schedule
-from pipetrain.strategies import ReplicaAllreduce
+from pipetrain.strategies.base import GradSync, Weights
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -67,13 +67,16 @@ class Worker:
 
     Args:
         rank: global rank; ``schedule.stage_of(rank)`` is its stage.
-        stage: the stage module (already on ``device``).
+        stage: the module the forward calls (already on ``device``): the stage, or what the
+            synchronizer wrapped it in (DDP).
         policy: the weight-version policy (see ``runtime.weights``).
         optimizer: built over ``stage``'s parameters, or None for a stage without any.
         transport: connection to the neighbour stages.
         dataset, loss_fn, batch_size: as given to ``pipetrain.train``.
-        grad_sync: a replicated stage's gradient synchronizer (``watch`` the weights a backward uses,
-            ``wait`` at the ``S`` action), or None.
+        grad_sync: the gradient synchronizer the ``A`` and ``S`` actions call, or None (a stage on one
+            worker).
+        shard: (i, r): take the i-th of r equal consecutive parts of every minibatch (data
+            parallelism); (0, 1) takes all of it.
     """
 
     rank: int
@@ -85,14 +88,16 @@ class Worker:
     loss_fn: Callable[[Any, Any], torch.Tensor]
     batch_size: int
     device: torch.device
-    grad_sync: ReplicaAllreduce | None = None
+    grad_sync: GradSync | None = None
     trace: list[tuple[str, float, float]] | None = None
+    shard: tuple[int, int] = (0, 1)
     history: list[StepRecord] = field(default_factory=list)
     _flight: dict[tuple[int, int | None], _InFlight] = field(default_factory=dict)
     _inbox: dict[tuple[int, int | None], Message] = field(default_factory=dict)
     _out: dict[tuple[int, int | None], Message] = field(default_factory=dict)
     _losses: dict[int, float] = field(default_factory=dict)
     _collated: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _syncing: dict[int, Weights] = field(default_factory=dict)  # mb -> the weights its backward used, until S
 
     def run_epoch(self, schedule: Schedule, epoch: int, batches: list[list[int]], mb_offset: int,
                   on_step: Callable[[StepRecord], None] | None = None) -> None:
@@ -123,8 +128,10 @@ class Worker:
             self._forward(a)
         elif a.kind == "B":
             self._backward(a)
+        elif a.kind == "A":
+            self.grad_sync.start(a.mb, self._syncing[a.mb])  # type: ignore[union-attr]
         elif a.kind == "S":
-            self.grad_sync.wait()
+            self.grad_sync.wait(a.mb, self._syncing.pop(a.mb))  # type: ignore[union-attr]
             self.policy.after_backward(a.mb)
         else:
             self._update(a)
@@ -142,7 +149,10 @@ class Worker:
         microbatches and kept until its last backward."""
         key = (mb, part)
         if key not in self._collated:
-            self._collated[key] = default_collate([self.dataset[i][part] for i in self._batches[mb]])
+            items = self._batches[mb]
+            i, r = self.shard
+            size = len(items) // r
+            self._collated[key] = default_collate([self.dataset[j][part] for j in items[i * size:(i + 1) * size]])
         return self._collated[key]
 
     def _forward(self, a: Action) -> None:
@@ -157,7 +167,8 @@ class Worker:
             x = unflatten(inputs, msg.is_tuple)
         weights = self.policy.forward_weights(a.mb, tag)
         with torch.set_grad_enabled(not self.policy.recompute):
-            out = functional_call(self.stage, weights, (x,))
+            # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
+            out = self.stage(x) if weights is self.policy.params else functional_call(self.stage, weights, (x,))
         flight = _InFlight(inputs, out, raw_input=x)
         if self._last:
             target = self._micro_slice(_to(self._batch(a.mb, 1), self.device), a.micro)
@@ -178,6 +189,7 @@ class Worker:
         weights = self.policy.backward_weights(a.mb)
         if self.grad_sync is not None:
             self.grad_sync.watch(weights)
+            self._syncing[a.mb] = weights
         if self.policy.recompute:  # naive: forward again with the weights current now
             x = f.raw_input[0] if self._last else f.raw_input
             out = functional_call(self.stage, weights, (x,))

@@ -1,7 +1,9 @@
-"""Schedules as data: the action IR, generators for each schedule, and the validator."""
+"""Schedules as data: the action IR, the passes that build action lists, and the validator.
+
+Schedules are built by name in :mod:`pipetrain.registry` (``build_schedule``, ``build_data_parallel``).
+"""
 from pipetrain.schedule.actions import Action, Schedule
-from pipetrain.schedule.generators import FLUSH_SCHEDULES, SCHEDULES, build_schedule, noam, warmup
+from pipetrain.schedule.generators import noam, warmup
 from pipetrain.schedule.validate import ScheduleError, validate
 
-__all__ = ["Action", "Schedule", "build_schedule", "validate", "ScheduleError", "noam", "warmup",
-           "SCHEDULES", "FLUSH_SCHEDULES"]
+__all__ = ["Action", "Schedule", "validate", "ScheduleError", "noam", "warmup"]

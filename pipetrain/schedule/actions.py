@@ -12,9 +12,14 @@ Text form of one action (minibatch ids are 0-based; ``.k`` names microbatch k):
 ``SF3``  send minibatch 3's activations to the next stage
 ``RB3``  receive minibatch 3's gradients from the next stage
 ``SB3``  send minibatch 3's gradients to the previous stage
-``S3``   wait for the gradient sync (replicas' allreduce) of minibatch 3
+``A3``   start the gradient sync of minibatch 3: hand its gradient to the strategy's synchronizer
+``S3``   wait for the gradient sync of minibatch 3 (after it, the agreed gradient is on the weights)
 ``U3``   optimizer step, the last minibatch it includes being 3
 =======  =================================================================
+
+A schedule is built in three passes (see :mod:`pipetrain.schedule.generators`): the compute order
+(``F``/``B`` per worker), the point-to-point pass (``RF``/``SF``/``RB``/``SB``), then a sync pass owned
+by the strategy (``A``/``S``/``U``).
 """
 from __future__ import annotations
 
@@ -23,12 +28,11 @@ from dataclasses import dataclass, field
 
 FORWARD, BACKWARD = "F", "B"
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RF", "SF", "RB", "SB"
-SYNC, UPDATE = "S", "U"
-KINDS = (FORWARD, BACKWARD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, SYNC, UPDATE)
-COMPUTE = (FORWARD, BACKWARD)
+START_SYNC, SYNC, UPDATE = "A", "S", "U"
+KINDS = (FORWARD, BACKWARD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, START_SYNC, SYNC, UPDATE)
 SENDS = {SEND_ACT: RECV_ACT, SEND_GRAD: RECV_GRAD}
 
-_TEXT = re.compile(r"^(RF|SF|RB|SB|F|B|S|U)(\d+)(?:\.(\d+))?$")
+_TEXT = re.compile(r"^(RF|SF|RB|SB|F|B|A|S|U)(\d+)(?:\.(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -66,6 +70,8 @@ class Schedule:
         actions: ``actions[w]`` is worker ``w``'s ordered action list.
         microbatches: microbatches per minibatch (1 when minibatches are not split).
         noam: minibatches the input stage admits before its first backward.
+        sharded: data parallelism: every worker of the (single) stage runs every minibatch on its
+            1/r share of the samples, instead of replica ``mb mod r`` running the whole minibatch.
     """
 
     name: str
@@ -73,6 +79,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     microbatches: int = 1
     noam: int = 1
+    sharded: bool = False
     _stage_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +87,8 @@ class Schedule:
         object.__setattr__(self, "_stage_of", stage_of)
         if len(self.actions) != len(stage_of):
             raise ValueError(f"{len(self.actions)} action lists for {len(stage_of)} workers")
+        if self.sharded and len(self.replicas) != 1:
+            raise ValueError(f"a sharded (data-parallel) schedule has one stage, not {len(self.replicas)}")
 
     @property
     def num_stages(self) -> int:
@@ -91,9 +100,6 @@ class Schedule:
 
     def stage_of(self, worker: int) -> int:
         return self._stage_of[worker]
-
-    def replica_of(self, worker: int) -> int:
-        return worker - self.first_worker(self.stage_of(worker))
 
     def first_worker(self, stage: int) -> int:
         return sum(self.replicas[:stage])
@@ -114,7 +120,7 @@ class Schedule:
     def to_text(self) -> str:
         """One line per worker, e.g. ``w0: F0 SF0 F1 SF1 RB0 B0 U0 ...``; round-trips with from_text."""
         head = f"# {self.name} replicas={','.join(map(str, self.replicas))} " \
-               f"microbatches={self.microbatches} noam={self.noam}"
+               f"microbatches={self.microbatches} noam={self.noam} sharded={int(self.sharded)}"
         rows = [f"w{w}: " + " ".join(map(str, acts)) for w, acts in enumerate(self.actions)]
         return "\n".join([head, *rows])
 
@@ -125,4 +131,4 @@ class Schedule:
         name = lines[0].split()[1]
         actions = tuple(tuple(Action.parse(a) for a in ln.split(":", 1)[1].split()) for ln in lines[1:])
         return Schedule(name, tuple(int(r) for r in head["replicas"].split(",")), actions,
-                        int(head["microbatches"]), int(head["noam"]))
+                        int(head["microbatches"]), int(head["noam"]), bool(int(head.get("sharded", "0"))))

@@ -1,15 +1,25 @@
-"""Schedule generators: pure functions from (replicas per stage, minibatch count) to a Schedule.
+"""Schedule generators: pure functions from a layout and a minibatch count to per-worker action lists.
 
-Each generator first orders the compute (F/B) of every worker, then :func:`add_communication`
-inserts the receives, sends, gradient syncs and optimizer steps that order implies. For n = 4
-stages and 6 minibatches, ``pipedream`` (PipeDream §3.3, Figure 8; NOAM = 4) orders compute as::
+A schedule is built in three passes:
+
+1. a **compute order**: each worker's forwards and backwards (``F``/``B``);
+2. the **point-to-point pass** (:func:`p2p_pass`): a receive before and a send after each compute
+   action that crosses a stage boundary (``RF``/``SF``/``RB``/``SB``);
+3. a **sync pass** owned by the strategy: where gradients are handed to the synchronizer (``A``),
+   waited for (``S``) and applied (``U``): :func:`flush_sync`, :func:`step_sync` or :func:`stale_sync`.
+
+For n = 4 stages and 6 minibatches, ``pipedream`` (PipeDream §3.3, Figure 8; NOAM = 4) orders
+compute as::
 
     stage 0: F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5
     stage 1:    F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5
     stage 2:       F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5
     stage 3:          F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5
 
-and ``gpipe`` with 4 microbatches orders each minibatch as ``F0.0 F0.1 F0.2 F0.3 B0.0 ... B0.3 U0``.
+``gpipe`` with 4 microbatches orders each minibatch as ``F0.0 F0.1 F0.2 F0.3 B0.0 ... B0.3 U0``, and
+data parallelism with staleness K = 2 (Pipe-SGD, Alg. 1) gives every worker::
+
+    F0 B0 A0 F1 B1 A1 S0 U0 F2 B2 A2 S1 U1 ... F5 B5 A5 S4 U4 S5 U5
 """
 from __future__ import annotations
 
@@ -17,11 +27,10 @@ import math
 from collections.abc import Callable, Sequence
 
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SYNC, UPDATE, Action, Schedule,
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, START_SYNC, SYNC, UPDATE, Action,
 )
 
-SCHEDULES = ("pipedream", "naive", "gpipe", "1f1b-flush", "model-parallel")
-FLUSH_SCHEDULES = ("gpipe", "1f1b-flush", "model-parallel")
+Lists = list[list[Action]]
 
 
 def noam(replicas: Sequence[int]) -> int:
@@ -39,6 +48,8 @@ def warmup(replicas: Sequence[int], stage: int) -> int:
     return math.ceil(sum(replicas[stage:]) / replicas[stage])
 
 
+# -- 1. compute orders ------------------------------------------------------------------------------
+
 def _one_f_one_b(items: list[tuple[int, int | None]], w: int) -> list[Action]:
     """``w`` forwards, then alternate one backward and one forward, then drain the backwards."""
     out: list[Action] = []
@@ -51,86 +62,54 @@ def _one_f_one_b(items: list[tuple[int, int | None]], w: int) -> list[Action]:
     return out
 
 
-def _pipedream_compute(replicas: Sequence[int], minibatches: int) -> list[list[Action]]:
-    lists: list[list[Action]] = []
+def _micro(mb: int, k: int, microbatches: int) -> tuple[int, int | None]:
+    return (mb, None) if microbatches == 1 else (mb, k)
+
+
+def pipedream_order(replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Lists:
+    """1F1B with NOAM in flight (PipeDream §3.3); replica i of a stage takes minibatches i, i+r, ..."""
+    lists: Lists = []
     for s, r in enumerate(replicas):
         for i in range(r):
-            own = [(mb, None) for mb in range(i, minibatches, r)]
+            own: list[tuple[int, int | None]] = [(mb, None) for mb in range(i, minibatches, r)]
             lists.append(_one_f_one_b(own, warmup(replicas, s)))
     return lists
 
 
-def _flush_compute(replicas: Sequence[int], minibatches: int, microbatches: int,
-                   order: Callable[[int, int, int], list[Action]]) -> list[list[Action]]:
-    n = len(replicas)
-    return [[a for mb in range(minibatches) for a in order(s, n, mb)] for s in range(n)]
-
-
-def _check(replicas: Sequence[int], minibatches: int, microbatches: int, name: str) -> None:
-    if not replicas or any(r < 1 for r in replicas):
-        raise ValueError(f"replicas per stage must be positive integers, got {list(replicas)}")
-    if minibatches < 0 or microbatches < 1:
-        raise ValueError(f"need minibatches >= 0 and microbatches >= 1, got {minibatches}, {microbatches}")
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name in FLUSH_SCHEDULES and any(r != 1 for r in replicas):
-        raise ValueError(f"schedule {name!r} runs straight pipelines only (one worker per stage); "
-                         f"use 'pipedream' for replicated stages {list(replicas)}")
-    lcm = math.lcm(*replicas)
-    if minibatches % lcm:
-        raise ValueError(f"{minibatches} minibatches do not split evenly over replicas {list(replicas)}; "
-                         f"use a multiple of {lcm} so every replica joins every gradient sync")
-    if name not in ("gpipe", "1f1b-flush") and microbatches != 1:
-        raise ValueError(f"schedule {name!r} does not split minibatches; use microbatches=1 "
-                         "or the 'gpipe' / '1f1b-flush' schedules")
-
-
-def build_schedule(name: str, replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Schedule:
-    """Build the named schedule.
-
-    Args:
-        name: one of ``pipedream``, ``naive`` (same order, no weight stashing at run time),
-            ``gpipe``, ``1f1b-flush``, ``model-parallel``.
-        replicas: workers per stage (all 1 for a straight pipeline).
-        minibatches: minibatches to train.
-        microbatches: microbatches per minibatch (``gpipe`` and ``1f1b-flush`` only).
-
-    Returns:
-        The schedule, with communication, syncs and optimizer steps inserted.
-
-    Raises:
-        ValueError: unknown name, bad counts, or a flush schedule asked to replicate a stage.
-    """
-    _check(replicas, minibatches, microbatches, name)
+def gpipe_order(replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Lists:
+    """Per minibatch: every microbatch's forward, then every backward (GPipe, arXiv:1811.06965)."""
     m = microbatches
-    if name in ("pipedream", "naive"):
-        compute = _pipedream_compute(replicas, minibatches)
-    elif name == "gpipe":
-        compute = _flush_compute(replicas, minibatches, m, lambda s, n, mb: (
-            [Action(FORWARD, mb, k) for k in range(m)] + [Action(BACKWARD, mb, k) for k in range(m)]))
-    elif name == "1f1b-flush":
-        compute = _flush_compute(replicas, minibatches, m, lambda s, n, mb: _one_f_one_b(
-            [(mb, k) for k in range(m)], n - s))
-    else:  # model-parallel: one minibatch in the whole pipeline at a time
-        compute = _flush_compute(replicas, minibatches, m, lambda s, n, mb: [
-            Action(FORWARD, mb), Action(BACKWARD, mb)])
-    if m == 1 and name in ("gpipe", "1f1b-flush"):
-        compute = [[Action(a.kind, a.mb) for a in acts] for acts in compute]
-    return add_communication(name, tuple(replicas), compute, m)
+    return [[Action(kind, *_micro(mb, k, m)) for mb in range(minibatches) for kind in (FORWARD, BACKWARD)
+             for k in range(m)] for _ in replicas]
 
 
-def add_communication(name: str, replicas: tuple[int, ...], compute: list[list[Action]],
-                      microbatches: int) -> Schedule:
-    """Insert receives before and sends after each compute action, and the optimizer steps.
+def one_f_one_b_flush_order(replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Lists:
+    """Per minibatch: 1F1B over its microbatches, stage s warming up with n - s (PipeDream-Flush)."""
+    n, m = len(replicas), microbatches
+    return [[a for mb in range(minibatches) for a in _one_f_one_b([_micro(mb, k, m) for k in range(m)], n - s)]
+            for s in range(n)]
 
-    ``pipedream``/``naive`` step after every backward (a replicated stage first waits for the
-    replicas' gradient sync ``S``); flush schedules step once after a minibatch's last backward.
-    """
+
+def model_parallel_order(replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Lists:
+    """One minibatch in the whole pipeline at a time."""
+    return [[Action(kind, mb) for mb in range(minibatches) for kind in (FORWARD, BACKWARD)] for _ in replicas]
+
+
+def data_parallel_order(workers: int, minibatches: int) -> Lists:
+    """Every worker runs the forward and backward of every minibatch, on its shard of the samples."""
+    return [[Action(kind, mb) for mb in range(minibatches) for kind in (FORWARD, BACKWARD)]
+            for _ in range(workers)]
+
+
+# -- 2. point-to-point pass -------------------------------------------------------------------------
+
+def p2p_pass(replicas: Sequence[int], compute: Lists) -> Lists:
+    """Receive before and send after each compute action that crosses a stage boundary."""
     n = len(replicas)
-    out: list[tuple[Action, ...]] = []
+    stage_of = [s for s, r in enumerate(replicas) for _ in range(r)]
+    out: Lists = []
     for w, acts in enumerate(compute):
-        s = next(st for st in range(n) if w < sum(replicas[:st + 1]))
-        seq: list[Action] = []
+        s, seq = stage_of[w], []
         for a in acts:
             if a.kind == FORWARD:
                 seq += ([Action(RECV_ACT, a.mb, a.micro)] if s > 0 else []) + [a]
@@ -138,10 +117,54 @@ def add_communication(name: str, replicas: tuple[int, ...], compute: list[list[A
             else:
                 seq += ([Action(RECV_GRAD, a.mb, a.micro)] if s < n - 1 else []) + [a]
                 seq += [Action(SEND_GRAD, a.mb, a.micro)] if s > 0 else []
-                last_micro = a.micro is None or a.micro == microbatches - 1
-                if name in FLUSH_SCHEDULES and last_micro:
-                    seq.append(Action(UPDATE, a.mb))
-                elif name not in FLUSH_SCHEDULES:
-                    seq += ([Action(SYNC, a.mb)] if replicas[s] > 1 else []) + [Action(UPDATE, a.mb)]
-        out.append(tuple(seq))
-    return Schedule(name, replicas, tuple(out), microbatches, noam(replicas))
+        out.append(seq)
+    return out
+
+
+# -- 3. sync passes ---------------------------------------------------------------------------------
+
+def _after_backwards(acts: list[Action], extra: Callable[[Action], list[Action]]) -> list[Action]:
+    """``acts`` with ``extra(b)`` inserted after each backward ``b`` (after the send of its gradient)."""
+    out: list[Action] = []
+    for i, a in enumerate(acts):
+        out.append(a)
+        if a.kind == SEND_GRAD or (a.kind == BACKWARD and (i + 1 == len(acts) or acts[i + 1].kind != SEND_GRAD)):
+            out += extra(Action(BACKWARD, a.mb, a.micro))
+    return out
+
+
+def flush_sync(lists: Lists, microbatches: int) -> Lists:
+    """One update per minibatch, after the backward of its last microbatch (flush schedules)."""
+    def extra(b: Action) -> list[Action]:
+        return [Action(UPDATE, b.mb)] if b.micro in (None, microbatches - 1) else []
+    return [_after_backwards(acts, extra) for acts in lists]
+
+
+def step_sync(lists: Lists, replicas: Sequence[int]) -> Lists:
+    """An update after every backward; a replicated stage first syncs the gradient with its replicas
+    (``A`` after the backward, whose hooks have already started the allreduce, then ``S``)."""
+    stage_of = [s for s, r in enumerate(replicas) for _ in range(r)]
+
+    def extra(b: Action, replicated: bool) -> list[Action]:
+        return ([Action(START_SYNC, b.mb), Action(SYNC, b.mb)] if replicated else []) + [Action(UPDATE, b.mb)]
+    return [_after_backwards(acts, lambda b, rep=replicas[stage_of[w]] > 1: extra(b, rep))
+            for w, acts in enumerate(lists)]
+
+
+def stale_sync(lists: Lists, staleness: int) -> Lists:
+    """Pipe-SGD's rule (Alg. 1, §3.1): the gradient of minibatch t is handed to the synchronizer right
+    after its backward and applied after the backward of t + K - 1, so the sync of t overlaps the
+    compute of the next K - 1 minibatches. The last K - 1 syncs are drained at the end (the epoch's
+    every gradient is applied once). K = 1 is plain synchronous SGD."""
+    if staleness < 1:
+        raise ValueError(f"staleness={staleness} must be at least 1 (1 is synchronous SGD)")
+
+    def extra(b: Action) -> list[Action]:
+        k = b.mb - staleness + 1
+        return [Action(START_SYNC, b.mb)] + ([Action(SYNC, k), Action(UPDATE, k)] if k >= 0 else [])
+    out = []
+    for acts in lists:
+        mbs = [a.mb for a in acts if a.kind == BACKWARD]
+        tail = [Action(kind, k) for k in mbs[max(0, len(mbs) - staleness + 1):] for kind in (SYNC, UPDATE)]
+        out.append(_after_backwards(acts, extra) + tail)
+    return out

@@ -1,16 +1,17 @@
 """Check a schedule: every send meets its receive, collectives line up, and nothing deadlocks.
 
 The check executes the action lists with unit costs: a send never blocks (the transport buffers it),
-a receive waits for its matching send, and a replicated stage's k-th ``S`` (gradient sync) waits for
-the k-th ``S`` of every replica. If no worker can move, the schedule deadlocks and the error prints a
-worker x step grid with the stuck step of each worker in brackets.
+a receive waits for its matching send, a gradient sync's start ``A`` never blocks, and a worker's
+k-th ``S`` (waiting for a gradient sync) waits until every worker of its stage has started its k-th
+sync (``A``). If no worker can move, the schedule deadlocks and the error prints a worker x step grid
+with the stuck step of each worker in brackets.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SENDS, SYNC, Action, Schedule,
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SENDS, START_SYNC, SYNC, Action, Schedule,
 )
 
 
@@ -44,16 +45,35 @@ def _check_matching(schedule: Schedule) -> None:
                             f"without a receive or a receive without a send ({len(bad)} such)")
 
 
-def _sync_ready(schedule: Schedule, w: int, pos: list[int], syncs_done: dict[int, int]) -> bool:
-    """Worker ``w`` waits at its k-th sync: every replica mate has passed or reached its k-th."""
+def _check_syncs(schedule: Schedule) -> None:
+    """Every worker of a stage starts as many syncs (the same minibatches' syncs, in the same order,
+    when the stage is sharded; a replicated pipeline stage syncs replica i's k-th minibatch with the
+    other replicas' k-th), and waits for each once, after starting it, in the order it started them."""
+    for s in range(schedule.num_stages):
+        first = schedule.first_worker(s)
+        orders = []
+        for w in range(first, first + schedule.replicas[s]):
+            started = [a.mb for a in schedule.actions[w] if a.kind == START_SYNC]
+            waited = [a.mb for a in schedule.actions[w] if a.kind == SYNC]
+            if started != waited:
+                raise ScheduleError(f"schedule {schedule.name!r}: w{w} starts syncs {started[:6]}... but waits "
+                                    f"for {waited[:6]}...; every A needs one S, in the same order")
+            pos = {a: i for i, a in enumerate(schedule.actions[w])}
+            late = [mb for mb in started if pos[Action(SYNC, mb)] < pos[Action(START_SYNC, mb)]]
+            if late:
+                raise ScheduleError(f"schedule {schedule.name!r}: w{w} waits for the sync of minibatch "
+                                    f"{late[0]} before starting it")
+            orders.append(started)
+        if any(len(o) != len(orders[0]) or (schedule.sharded and o != orders[0]) for o in orders):
+            raise ScheduleError(f"schedule {schedule.name!r}: the workers of stage {s} start different gradient "
+                                "syncs; each sync needs every worker of the stage")
+
+
+def _sync_ready(schedule: Schedule, w: int, starts: dict[int, int], waits: dict[int, int]) -> bool:
+    """Worker ``w`` at its k-th sync: every worker of its stage has started its k-th sync."""
     s = schedule.stage_of(w)
     first = schedule.first_worker(s)
-    k = syncs_done[w]
-    for m in range(first, first + schedule.replicas[s]):
-        at_sync = pos[m] < len(schedule.actions[m]) and schedule.actions[m][pos[m]].kind == SYNC
-        if not (syncs_done[m] > k or (syncs_done[m] == k and at_sync)):
-            return False
-    return True
+    return all(starts[m] > waits[w] for m in range(first, first + schedule.replicas[s]))
 
 
 def validate(schedule: Schedule) -> dict[str, list[int]]:
@@ -65,10 +85,12 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
         the backward of their first microbatch.
     """
     _check_matching(schedule)
+    _check_syncs(schedule)
     acts = schedule.actions
     pos = [0] * schedule.num_workers
     done: set[tuple[int, Action]] = set()
-    syncs_done: dict[int, int] = defaultdict(int)  # worker -> completed S count
+    starts: dict[int, int] = defaultdict(int)  # worker -> A actions done
+    waits: dict[int, int] = defaultdict(int)  # worker -> S actions done
     in_flight = [set() for _ in acts]  # type: list[set[int]]
     peak = [0] * schedule.num_workers
     steps = [0] * schedule.num_workers
@@ -84,7 +106,7 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
                 send_kind = "SF" if a.kind == RECV_ACT else "SB"
                 if (schedule.peer(w, a), Action(send_kind, a.mb, a.micro)) not in done:
                     continue
-            if a.kind == SYNC and not _sync_ready(schedule, w, pos, syncs_done):
+            if a.kind == SYNC and not _sync_ready(schedule, w, starts, waits):
                 continue
             moved.append((w, a))
         if not moved:
@@ -94,8 +116,10 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
             done.add((w, a))
             pos[w] += 1
             steps[w] = t
+            if a.kind == START_SYNC:
+                starts[w] += 1
             if a.kind == SYNC:
-                syncs_done[w] += 1
+                waits[w] += 1
             if a.kind == FORWARD and a.micro in (None, 0):
                 in_flight[w].add(a.mb)
                 peak[w] = max(peak[w], len(in_flight[w]))

@@ -1,0 +1,39 @@
+"""``strategy="ddp"``: PyTorch's ``DistributedDataParallel``, the synchronous baseline users know.
+
+DDP allreduces gradient buckets from autograd hooks during the backward and has averaged them by the
+time ``backward()`` returns, so ``A`` and ``S`` have nothing left to do. It uses the default process
+group (gloo on CPU, NCCL on GPU).
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pipetrain.strategies.base import GradSync, SyncContext, Weights
+
+
+class DDPSync(GradSync):
+    """Wraps the model in ``DistributedDataParallel``; counts the bytes a ring allreduce moves.
+
+    Args:
+        workers: M, the data-parallel workers.
+        ctx: this worker's context (its device picks DDP's ``device_ids``).
+    """
+
+    def __init__(self, workers: int, ctx: SyncContext) -> None:
+        self.workers, self.ctx = workers, ctx
+        self.bytes_sent = 0
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids)
+
+    def start(self, mb: int, weights: Weights) -> None:
+        """Estimate what DDP sent for this minibatch: a ring's 2(M-1)/M of the gradient bytes."""
+        grad = sum(p.numel() * p.element_size() for p in weights.values() if p.requires_grad)
+        self.bytes_sent += 2 * (self.workers - 1) * grad // self.workers
+
+
+def ddp(ctx: SyncContext) -> GradSync:
+    """The ``ddp`` strategy's synchronizer."""
+    return DDPSync(ctx.replicas[0], ctx)
