@@ -60,11 +60,21 @@ def _ints(text: str) -> list[int]:
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", default="pipedream",
-                   help="pipedream | naive | gpipe | 1f1b-flush | model-parallel (default pipedream)")
+    from pipetrain.registry import SCHEDULES, STRATEGIES
+    from pipetrain.strategies.compression import CODECS
+
+    p.add_argument("--strategy", default="pipeline",
+                   help="; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values()) + " (default pipeline)")
+    p.add_argument("--schedule", default=None,
+                   help=f"pipeline: {' | '.join(SCHEDULES)} (default pipedream)")
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses the input stage's weight version")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update of the whole job")
+    p.add_argument("--microbatches", type=int, default=1, help="pipeline, gpipe / 1f1b-flush: slices per minibatch")
+    p.add_argument("--staleness", type=int, default=None,
+                   help="pipe-sgd: K, the minibatches a gradient is applied after (default 2; 1 is synchronous)")
+    p.add_argument("--compression", default=None,
+                   help=f"pipe-sgd: {' | '.join(CODECS)}, applied inside the ring allreduce (float32 models)")
+    p.add_argument("--warmup-epochs", type=int, default=0, help="pipe-sgd: run the first epochs with K = 1")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     p.add_argument("--lr", type=float, default=0.05)
@@ -82,12 +92,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     model = _call_factory(args.model)
     dataset = _call_factory(args.data)
     result = pipetrain.train(
-        model, dataset, loss_fn=_loss(args.loss), optimizer=_optimizer(args),
+        model, dataset, loss_fn=_loss(args.loss), optimizer=_optimizer(args), strategy=args.strategy,
         stages=_ints(args.stages) if args.stages else args.plan, workers=args.workers,
-        bandwidth=args.bandwidth, schedule=args.schedule, vertical_sync=args.vertical_sync, batch_size=args.batch_size,
-        microbatches=args.microbatches, epochs=args.epochs, shuffle=not args.no_shuffle, seed=args.seed,
-        checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout=args.timeout,
-        trace=args.trace or False, progress=True)
+        bandwidth=args.bandwidth, schedule=args.schedule, vertical_sync=args.vertical_sync,
+        microbatches=args.microbatches, staleness=args.staleness, compression=args.compression,
+        warmup_epochs=args.warmup_epochs, batch_size=args.batch_size, epochs=args.epochs,
+        shuffle=not args.no_shuffle, seed=args.seed, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+        timeout=args.timeout, trace=args.trace or False, progress=True)
     last = result.history[-1] if result.history else {"loss": float("nan")}
     print(f"final loss {last['loss']:.4f}")
     _report_speed(result)
@@ -136,13 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipetrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train MODULE:FACTORY as a pipeline")
+    p = sub.add_parser("train", help="train MODULE:FACTORY as a pipeline or data parallel")
     p.add_argument("model", help="MODULE:FACTORY returning the nn.Module (or the module itself)")
     p.add_argument("--data", required=True, help="MODULE:FACTORY returning a map-style Dataset of (input, target)")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--stages", help="first layer index of each stage, one worker each, e.g. 0,2,4,6")
-    where.add_argument("--plan", help="'auto' (profile, then plan for --workers) or a plan JSON from `pipetrain plan`")
-    p.add_argument("--workers", type=int, default=None, help="workers to plan for (--plan auto); checked against a plan file")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--stages", help="pipeline: first layer index of each stage, one worker each, e.g. 0,2,4,6")
+    where.add_argument("--plan", help="pipeline: 'auto' (profile, then plan for --workers) or a plan JSON from "
+                                      "`pipetrain plan`")
+    p.add_argument("--workers", type=int, default=None, help="data parallel: the workers; pipeline: workers to plan "
+                                                             "for (--plan auto), checked against a plan file")
     p.add_argument("--bandwidth", default="10Gbit", help="link speed --plan auto assumes, e.g. 1Gbit")
     p.add_argument("--loss", default="cross_entropy", help="torch.nn.functional name or MODULE:FUNCTION")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here")

@@ -53,8 +53,9 @@ def test_resume_uses_the_newest_epoch_all_stages_completed(tmp_path):
 
 
 def test_resume_with_other_stages_is_refused(tmp_path):
+    """Checked before any worker starts: a one-line ValueError."""
     train(epochs=1, checkpoint_dir=tmp_path)
-    with pytest.raises(pipetrain.PipetrainError, match="holds layers .* resume with the same stages"):
+    with pytest.raises(checkpoint.CheckpointError, match="holds layers .* resume with the same stages"):
         train(epochs=2, checkpoint_dir=tmp_path, resume=True, stages=[0, 1, 4, 6])
 
 
