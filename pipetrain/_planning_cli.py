@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 from torch.utils.data import default_collate
@@ -11,8 +12,8 @@ from pipetrain.cli import _call_factory, _ints, _loss
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model
-from pipetrain.registry import build_schedule
-from pipetrain.simulate import Link, simulate
+from pipetrain.registry import STRATEGIES, build_schedule, lookup
+from pipetrain.simulate import Link, predict_data_parallel, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
 
@@ -46,19 +47,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("simulate", help="predict a pipeline's timeline and throughput from a profile")
+    p = sub.add_parser("simulate", help="predict a pipeline's or a data-parallel strategy's throughput from a profile")
     p.add_argument("profile", help="profile JSON (`pipetrain profile`) or a PipeDream graph.txt")
+    p.add_argument("--strategy", default="pipeline", help="pipeline (default), ddp or pipe-sgd")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--workers", type=int, help="plan for this many workers with the partitioner")
+    where.add_argument("--workers", type=int, help="pipeline: plan for this many workers with the partitioner; "
+                                                   "data parallel: the workers")
     where.add_argument("--plan", help="a plan JSON from `pipetrain plan`")
     where.add_argument("--stages", help="first layer index of each stage (one worker each), e.g. 0,3,7")
     p.add_argument("--straight", action="store_true", help="with --workers: one worker per stage")
     p.add_argument("--schedule", default="pipedream", help="pipedream | gpipe | 1f1b-flush | model-parallel | naive")
-    p.add_argument("--minibatches", type=int, required=True)
+    p.add_argument("--minibatches", type=int, default=None,
+                   help="minibatches to simulate (default 32, rounded up to a multiple of every stage's replicas)")
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=None, help="default: the profile's")
     p.add_argument("--bandwidth", default="10Gbit", help="per link direction, e.g. 10Gbit, 1.25GB/s")
-    p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer")
+    p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer (per message)")
+    p.add_argument("--staleness", type=int, default=None, help="pipe-sgd: K (default 2)")
+    p.add_argument("--compression", default=None, help="pipe-sgd: none | trunc16 | quant8")
+    p.add_argument("--update-s", type=float, default=0.0,
+                   help="seconds per optimizer step (the profile does not time it; default 0)")
     p.add_argument("--png", help="write the timeline picture here")
     p.add_argument("--trace-json", help="write a Chrome trace here (open in ui.perfetto.dev)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -126,6 +134,10 @@ def _short(name: str, width: int = 28) -> str:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
+    if lookup(STRATEGIES, args.strategy, "strategy").data_parallel:
+        return _simulate_data_parallel(args)
+    if args.staleness is not None or args.compression is not None:
+        raise ValueError("--staleness and --compression apply to --strategy pipe-sgd, not to a pipeline")
     if args.straight and not args.workers:
         raise ValueError("--straight applies to --workers (planning); --plan and --stages fix the stages")
     profile = Profile.load(args.profile)
@@ -140,8 +152,11 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         else:
             chosen = plan(profile, args.workers, bandwidth, straight=args.straight)
         boundaries, replicas = chosen.boundaries, chosen.replicas
-    schedule = build_schedule(args.schedule, replicas, args.minibatches, args.microbatches)
-    result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size)
+    lcm = math.lcm(*replicas)
+    minibatches = args.minibatches or -(-32 // lcm) * lcm
+    schedule = build_schedule(args.schedule, replicas, minibatches, args.microbatches)
+    result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size,
+                      update_s=args.update_s)
     names = [f"worker {w} (stage {schedule.stage_of(w)})" for w in range(schedule.num_workers)]
     if args.png:
         draw_timeline(result.trace, args.png, names=names,
@@ -157,5 +172,37 @@ def cmd_simulate(args: argparse.Namespace) -> None:
           f"{result.minibatches_per_s:.2f} minibatches/s, bubble {result.bubble_fraction:.2f}")
     print("busy fraction per worker:   " + " ".join(f"{b:.2f}" for b in result.busy_fraction))
     print("weight versions per worker: " + " ".join(map(str, result.peak_weight_versions)))
+    for path in filter(None, (args.png, args.trace_json)):
+        print(f"wrote {path}")
+
+
+def _simulate_data_parallel(args: argparse.Namespace) -> None:
+    """``--strategy ddp|pipe-sgd``: Pipe-SGD's timing models (eq. 2-7) beside a simulated run."""
+    if not args.workers or args.plan or args.stages or args.straight or args.microbatches != 1:
+        raise ValueError(f"--strategy {args.strategy} takes --workers N (each worker holds the whole model), "
+                         "not --plan, --stages, --straight or --microbatches")
+    profile = Profile.load(args.profile)
+    link = Link(parse_bandwidth(args.bandwidth), args.latency)
+    result = predict_data_parallel(profile, args.strategy, args.workers, link, batch_size=args.batch_size,
+                                   staleness=args.staleness, compression=args.compression, update_s=args.update_s,
+                                   minibatches=args.minibatches or 32)
+    names = [f"worker {w}" for w in range(args.workers)]
+    title = f"{args.strategy}, {args.workers} workers: simulated"
+    if args.png:
+        draw_timeline(result.sim.trace, args.png, names=names, title=title)
+    if args.trace_json:
+        write_chrome_trace(result.sim.trace, args.trace_json, names=names)
+    settings = {"strategy": args.strategy, "workers": args.workers, "bandwidth_Bps": link.bandwidth_Bps,
+                "latency_s": link.latency_s, "staleness": args.staleness, "compression": args.compression,
+                "batch_size": args.batch_size or profile.batch_size}
+    if args.json:
+        print(json.dumps({**settings, **result.to_dict()}))
+        return
+    print(f"{args.strategy}, {args.workers} workers at {format_bandwidth(link.bandwidth_Bps)}"
+          f"{f', {args.compression}' if args.compression else ''}: {result.samples_per_s:.1f} samples/s simulated, "
+          f"{result.formula_samples_per_s:.1f} by the closed form")
+    print(f"per iteration: compute {result.compute_s * 1e3:.1f} ms + update {result.update_s * 1e3:.1f} ms, "
+          f"allreduce {result.comm_s * 1e3:.1f} ms of {result.payload_bytes:,} bytes: {result.bound} bound, "
+          f"scaling efficiency {result.scaling_efficiency:.2f} (Pipe-SGD eq. 7)")
     for path in filter(None, (args.png, args.trace_json)):
         print(f"wrote {path}")

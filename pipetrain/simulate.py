@@ -33,10 +33,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from pipetrain import costs
 from pipetrain.costs import dp_sync_bytes
 from pipetrain.layers import check_boundaries
 from pipetrain.profiling import Profile
-from pipetrain.registry import SCHEDULES
+from pipetrain.registry import SCHEDULES, STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
@@ -180,6 +183,7 @@ class _Sim:
         self.stashes = SCHEDULES[schedule.name].weights == "stash" if schedule.name in SCHEDULES else False
         self.busy_s = [0.0] * n
         self.update_end: list[list[float]] = [[] for _ in range(n)]
+        self.last_backward = [0.0] * n
         self.versions: list[dict[int, int]] = [{} for _ in range(n)]  # in-flight mb -> version its F saw
         self.in_flight = [0] * n  # (micro)batches between F and B
         self.peak_versions, self.peak_in_flight = [1] * n, [0] * n
@@ -244,6 +248,8 @@ class _Sim:
         """Track busy time, syncs, updates, in-flight minibatches and the weight versions they hold."""
         if a.kind in (FORWARD, BACKWARD):
             self.busy_s[w] += seconds
+        if a.kind == BACKWARD:
+            self.last_backward[w] = self.clock[w]
         if a.kind == START_SYNC:
             self.starts[w] += 1
         elif a.kind == SYNC:
@@ -302,7 +308,7 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
     makespan = max(sim.clock, default=0.0)
     busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]
     scale = [c.stash_bytes / schedule.microbatches for c in sim.costs]
-    rate = _minibatches_per_s(schedule, sim.update_end, makespan)
+    rate = _minibatches_per_s(schedule, sim.update_end, sim.last_backward, makespan)
     return SimResult(
         minibatches_per_s=rate, samples_per_s=rate * batch if batch > 0 else None,
         makespan_s=makespan, busy_fraction=busy, bubble_fraction=1.0 - sum(busy) / len(busy),
@@ -311,10 +317,17 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         trace=sim.trace)
 
 
-def _minibatches_per_s(schedule: Schedule, update_end: list[list[float]], makespan: float) -> float:
-    """Minibatches/s between the output stage's first and last optimizer steps (see SimResult)."""
+def _minibatches_per_s(schedule: Schedule, update_end: list[list[float]], last_backward: list[float],
+                       makespan: float) -> float:
+    """Minibatches/s between the output stage's first and last optimizer steps (see SimResult).
+
+    Steps after the first that follows the last backward are a drain (Pipe-SGD's last K-1 updates
+    run back to back at the end) and would overstate the steady rate, so the interval ends before them.
+    """
     last = schedule.num_stages - 1
-    steps = update_end[schedule.first_worker(last)]
+    w = schedule.first_worker(last)
+    drained = sum(t > last_backward[w] for t in update_end[w])
+    steps = update_end[w][:len(update_end[w]) - max(0, drained - 1)]
     if len(steps) >= 2 and steps[-1] > steps[0]:
         # one step of a replicated stage applies the minibatches of all its replicas (of a sharded
         # stage, one minibatch split over them)
@@ -322,3 +335,94 @@ def _minibatches_per_s(schedule: Schedule, update_end: list[list[float]], makesp
         return (len(steps) - 1) * per_step / (steps[-1] - steps[0])
     minibatches = len({a.mb for acts in schedule.actions for a in acts})
     return minibatches / makespan if makespan > 0 else math.inf
+
+
+@dataclass
+class DataParallelPrediction:
+    """What :func:`predict_data_parallel` predicts for a data-parallel strategy.
+
+    Attributes:
+        samples_per_s: from the simulator run over the strategy's own action lists.
+        formula_samples_per_s: from the paper's closed form: Pipe-SGD eq. 4/5 for K >= 2, eq. 2 for
+            synchronous SGD (K = 1, and ddp).
+        scaling_efficiency: Pipe-SGD eq. 7, (l_up + l_comp) / max(l_up + l_comp, l_comm).
+        compute_s, update_s, comm_s: one worker's forward + backward on its shard, optimizer step,
+            and one gradient allreduce (Pipe-SGD's ring model, eq. 5's communication term).
+        payload_bytes: the gradient as the ring sends it (after compression).
+        bound: ``"compute"`` or ``"communication"``, whichever is slower per iteration.
+        sim: the simulator's full result (trace, busy fractions).
+    """
+
+    samples_per_s: float
+    formula_samples_per_s: float
+    scaling_efficiency: float
+    compute_s: float
+    update_s: float
+    comm_s: float
+    payload_bytes: int
+    bound: str
+    sim: SimResult = field(repr=False)
+
+    def to_dict(self) -> dict[str, object]:
+        """Every field but the simulator's result, plus its busy fractions, as JSON-ready data."""
+        return {"samples_per_s": self.samples_per_s, "formula_samples_per_s": self.formula_samples_per_s,
+                "scaling_efficiency": self.scaling_efficiency, "compute_s": self.compute_s,
+                "update_s": self.update_s, "comm_s": self.comm_s, "payload_bytes": self.payload_bytes,
+                "bound": self.bound, "busy_fraction": self.sim.busy_fraction}
+
+
+def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: Link, batch_size: int | None = None,
+                          staleness: int | None = None, compression: str | None = None, update_s: float = 0.0,
+                          reduce_s: float | None = None, minibatches: int = 32) -> DataParallelPrediction:
+    """Predict a data-parallel strategy's throughput from a profile (Pipe-SGD §3.1, eq. 2-7).
+
+    Every worker runs the whole model on batch/``workers`` samples; one gradient allreduce is a ring
+    over ``workers`` (:func:`pipetrain.costs.ring_allreduce_time`, with ``link``'s latency and
+    bandwidth and the codec's payload bytes), one at a time on a communication thread.
+
+    Args:
+        profile: per-layer costs of the whole model.
+        strategy: a data-parallel :data:`pipetrain.registry.STRATEGIES` name.
+        workers: p.
+        link: each worker's link (α = latency, β = 1 / bandwidth).
+        batch_size: samples per minibatch of the whole job (default: the profile's).
+        staleness: K for pipe-sgd (default 2); synchronous strategies use 1.
+        compression: the codec inside pipe-sgd's ring.
+        update_s: seconds per optimizer step (the profile does not time it).
+        reduce_s: seconds of codec arithmetic per allreduce (γ's total); default measured here with
+            :func:`pipetrain.strategies.ring.ring_compute_seconds`.
+        minibatches: how many the simulator runs (its rate is taken between the first and last update).
+
+    Raises:
+        ValueError: an unknown or non-data-parallel strategy, or options it does not take.
+    """
+    from pipetrain.strategies.compression import get_codec
+    from pipetrain.strategies.ring import block_size, ring_compute_seconds
+
+    spec = lookup(STRATEGIES, strategy, "strategy")
+    if not spec.data_parallel:
+        raise ValueError(f"strategy {strategy!r} is not data parallel; simulate a pipeline with --plan or --stages")
+    if (staleness is not None and not spec.stale) or (compression is not None and not spec.compresses):
+        raise ValueError(f"strategy {strategy!r} takes no staleness or compression; those are pipe-sgd's")
+    k = (2 if staleness is None else staleness) if spec.stale else 1
+    codec = get_codec(compression)
+    batch = profile.batch_size if batch_size is None else batch_size
+    [whole] = stage_costs(profile, [0], batch_size)
+    compute_s = (whole.forward_s + whole.backward_s) / workers
+    elements = whole.parameter_bytes // 4  # float32 gradients
+    payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
+    if reduce_s is None:
+        reduce_s = ring_compute_seconds(codec, elements, workers)
+    gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
+    comm_s = costs.ring_allreduce_time(workers, payload, link.latency_s, 1 / link.bandwidth_Bps, gamma) \
+        if workers > 1 else 0.0
+    sim = simulate(build_data_parallel(strategy, workers, minibatches, k), profile, [0], link, batch_size,
+                   update_s, sync_s=[comm_s])
+    per_iteration = costs.pipe_sgd_time(1, update_s, compute_s, comm_s) if k > 1 else \
+        costs.sync_sgd_time(1, update_s, compute_s, comm_s)
+    return DataParallelPrediction(
+        samples_per_s=sim.samples_per_s or 0.0,
+        formula_samples_per_s=float(batch / per_iteration) if batch else 0.0,
+        scaling_efficiency=float(costs.scaling_efficiency(update_s, compute_s, comm_s)), compute_s=compute_s,
+        update_s=update_s, comm_s=comm_s, payload_bytes=payload,
+        bound="compute" if update_s + compute_s >= comm_s else "communication", sim=sim)

@@ -12,6 +12,7 @@ import pytest
 
 from pipetrain.bench.suite import SYSTEMS, SuiteConfig, _counts, format_table, plot
 from pipetrain.cli import main
+from pipetrain.zoo import SPECS
 
 TINY = ["--model", "mnist-mlp", "--batch-size", "16", "--microbatches", "2", "--warmup", "1",
         "--windows", "1", "--steps-per-window", "1", "--timeout", "60"]
@@ -42,6 +43,19 @@ def test_bench_json_has_every_system(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "torch-1f1b" in format_table(report)
 
 
+def test_ps_sync_runs_beside_ddp_with_one_more_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """2 workers: ddp on 2 processes, ps-sync on 3 (its server last); ps-sync's bytes are the server's."""
+    assert main(["bench", *TINY, "--loopback", "--systems", "ddp,ps-sync", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["samples_per_s"]) == {"ddp", "ps-sync"} and not report["errors"]
+    assert all(v > 0 for v in report["samples_per_s"].values())
+    grad = 4 * sum(p.numel() for p in SPECS["mnist-mlp"].factory().parameters()) / 16  # bytes per sample
+    # ddp's ring over 2 workers sends the gradient once a step; each ps-sync worker too, the server twice
+    assert report["bytes_per_sample_per_rank"] == {"ddp": [grad, grad], "ps-sync": [grad, grad, 2 * grad]}
+    assert report["bytes_per_sample"] == {"ddp": grad, "ps-sync": 2 * grad}
+    assert "ps-sync: 2 workers and a parameter server (rank 2" in format_table(report)
+
+
 def test_microbatch_counts_and_bad_config() -> None:
     cfg = SuiteConfig(model="mnist-mlp", batch_size=12, microbatches=(1, 2, 4, 5))
     assert _counts("torch-1f1b", cfg, 2) == [2, 4]       # 1F1B needs a microbatch per stage
@@ -51,3 +65,4 @@ def test_microbatch_counts_and_bad_config() -> None:
         SuiteConfig(systems=("pipedream", "horovod"))
     with pytest.raises(ValueError, match="one worker per stage"):
         SuiteConfig(stages=[0, 3, 5])
+    assert SuiteConfig(systems=("ddp",)).hosts == 2 and SuiteConfig(systems=("ddp", "ps-sync")).hosts == 3

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipetrain.bench.cluster import ClusterError, EmulatedCluster, link_bits_per_s, socket_throughput, \
-    unavailable_reason
+from pipetrain.bench.cluster import ClusterError, EmulatedCluster, socket_throughput, unavailable_reason
 from pipetrain.bench.peers import PeerConfig, ddp
 
 
@@ -43,13 +42,13 @@ def _allreduce() -> dict:
     return out
 
 
-def test_link_parsing() -> None:
-    assert link_bits_per_s("1gbit") == 10**9
-    assert link_bits_per_s("100mbit") == 10**8
-    assert link_bits_per_s("2.5Gbit") == 25 * 10**8
-    assert link_bits_per_s("10mbps") == 8 * 10**7
-    with pytest.raises(ValueError, match="not a rate"):
-        link_bits_per_s("fast")
+def test_tc_gets_the_rate_the_planner_reads(can_build: None) -> None:
+    """``10mbps`` is megabytes per second to tc and to the planner (tests/test_units.py): 80 Mbit/s on every link."""
+    with EmulatedCluster(2, link="10mbps") as c:
+        assert c.rate == 8 * 10**7
+        shown = [subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+                 for ns, dev in [(c.names[0], "eth0"), (c.names[1], "eth0"), (c.switch, "p0"), (c.switch, "p1")]]
+    assert all("rate 80Mbit" in s for s in shown), shown
 
 
 def test_without_root_or_iproute2_the_error_says_so() -> None:

@@ -1,11 +1,12 @@
-"""Peer runners (DDP, torch.distributed.pipelining) for a few steps with 2 gloo processes on loopback."""
+"""Peer runners (DDP, torch.distributed.pipelining, PS-Sync) for a few steps with gloo processes on loopback."""
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
-from pipetrain.bench.peers import PeerConfig, ddp, summarize, torch_pipeline
+from pipetrain.bench.peers import PeerConfig, ddp, ps_sync, summarize, torch_pipeline
 from pipetrain.runtime.launch import PipetrainError, spawn
 
 # mnist-mlp at 784-16-16-10: 13,002 parameters. Layers: Flatten, Linear, ReLU, Linear, ReLU, Linear.
@@ -14,8 +15,8 @@ TINY = PeerConfig(model="mnist-mlp", model_kwargs={"hidden": (16, 16)}, batch_si
 PARAMS = 784 * 16 + 16 + 16 * 16 + 16 + 16 * 10 + 10
 
 
-def check_sane(results: list[dict], cfg: PeerConfig) -> None:
-    assert len(results) == 2
+def check_sane(results: list[dict], cfg: PeerConfig, world: int = 2) -> None:
+    assert len(results) == world
     for r in results:
         assert len(r["window_samples_per_s"]) == cfg.windows
         assert all(0 < s < 1e7 for s in r["window_samples_per_s"])
@@ -57,8 +58,46 @@ def test_torch_pipeline_cuts_an_fx_model_inside_a_residual_block() -> None:
     assert all(r["update_norm"] > 0 for r in results)
 
 
+def sgd_on_the_concatenated_shards(cfg: PeerConfig, workers: int, shards: list[int]) -> torch.Tensor:
+    """Plain minibatch SGD, written here from the definition: each step's minibatch is the workers'
+    shards of that step side by side (worker w's shard i is samples [i*n, (i+1)*n) of its dataset,
+    seeded cfg.seed + 1 + w, as ddp draws them); only the shards listed in ``shards`` are used."""
+    n = cfg.batch_size // workers
+    data = [cfg.spec.dataset(4 * n, seed=cfg.seed + 1 + w)[:] for w in range(workers)]
+    model = cfg.build()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    for i in range(cfg.warmup + cfg.windows * cfg.steps_per_window):
+        rows = slice((i % 4) * n, (i % 4 + 1) * n)
+        x = torch.cat([data[w][0][rows] for w in shards])
+        y = torch.cat([data[w][1][rows] for w in shards])
+        opt.zero_grad()
+        cfg.spec.loss_fn(model(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_ps_sync_is_minibatch_sgd() -> None:
+    """2 workers + a parameter server (rank 2) train exactly as one worker on the 16-sample minibatches."""
+    results = spawn(ps_sync, 3, (TINY, True))
+    check_sane(results, TINY, world=3)
+    assert [r["role"] for r in results] == ["worker", "worker", "server"]
+    assert results[0]["runner"] == "ps-sync"
+    assert all(math.isfinite(r["loss"]) for r in results[:2]) and results[2]["loss"] is None
+    # A worker sends its gradient once per 16-sample step; the server sends the weights to both workers.
+    grad = PARAMS * 4 / TINY.batch_size
+    assert [r["counted_bytes_per_sample"] for r in results] == [grad, grad, 2 * grad]
+    expected = sgd_on_the_concatenated_shards(TINY, 2, [0, 1])
+    for r in results:  # the server's weights and each worker's model
+        torch.testing.assert_close(r["weights"], expected, rtol=0, atol=1e-6)
+    # guard: the comparison can tell the rules apart (SGD on worker 0's shard alone lands elsewhere)
+    alone = sgd_on_the_concatenated_shards(TINY, 2, [0])
+    assert (alone - expected).abs().max() > 100 * 1e-6
+
+
 def test_bad_arguments_fail_with_one_line() -> None:
     with pytest.raises(ValueError, match="not in the zoo"):
         PeerConfig(model="gpt-5")
     with pytest.raises(PipetrainError, match="microbatches >= stages"):
         spawn(torch_pipeline, 2, (TINY, [0, 3], 1, "1f1b"))
+    with pytest.raises(PipetrainError, match="batch_size=16 must be divisible by the 3 ps-sync workers"):
+        spawn(ps_sync, 4, (TINY,))

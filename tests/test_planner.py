@@ -164,7 +164,7 @@ def test_faster_servers_never_hurt():
 
 
 def test_vgg16_matches_the_paper_config():
-    """Table 1: VGG16 on 8 machines of Cluster-B (10 Gbps) runs as 7-1."""
+    """Table 1: VGG16 on 8 machines of Cluster-B (10 Gbit/s) runs as 7-1."""
     result = plan(VGG16, 8, "10Gbit")
     assert result.config == "7-1" and result.noam == 2
     assert result.speedup_vs_one > result.speedup_vs_dp > 1
@@ -226,7 +226,8 @@ def test_units():
     assert parse_bandwidth("10Gbit") == 1.25e9
     assert parse_bandwidth("1gbit") == 1.25e8
     assert parse_bandwidth("100Mbit") == 1.25e7
-    assert parse_bandwidth("25Gbps") == parse_bandwidth("25 Gb/s") == 25e9 / 8
+    assert parse_bandwidth("25Gbit") == parse_bandwidth("25 Gbit/s") == 25e9 / 8
+    assert parse_bandwidth("25Gbps") == 25e9  # as tc reads it: bytes per second
     assert parse_bandwidth("1.25GB/s") == 1.25e9
     assert parse_bandwidth(5e8) == 5e8
     assert parse_bytes("16GiB") == 16 * 2 ** 30 and parse_bytes("512MB") == 512e6

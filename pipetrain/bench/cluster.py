@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.planning.units import parse_bandwidth
 from pipetrain.runtime.launch import PipetrainError
 
 
@@ -49,20 +50,17 @@ class ClusterError(RuntimeError):
 IFACE = "eth0"
 """Each host's interface to the bridge (the same name in every host namespace)."""
 
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
-          "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
 
+def link_bits_per_s(link: str | float) -> int:
+    """A link rate in bits per second, read by :func:`pipetrain.planning.units.parse_bandwidth`.
 
-def link_bits_per_s(link: str) -> int:
-    """A tc rate such as ``1gbit``, ``100mbit`` or ``10mbps`` (bytes) in bits per second.
+    So ``1gbit`` is 10**9 and ``10mbps`` (megabytes, as in tc) 8 * 10**7, exactly as the planner reads
+    them; the cluster hands ``tc`` this integer in ``bit``, a rate it cannot misread.
 
     Raises:
-        ValueError: not a rate tc understands in these units.
+        ValueError: not a bandwidth (the message shows how to write one).
     """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", link.lower())
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"link={link!r} is not a rate like '1gbit', '100mbit' or '500kbit'")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    return round(parse_bandwidth(link) * 8)
 
 
 def unavailable_reason() -> str | None:
@@ -84,19 +82,21 @@ class EmulatedCluster:
 
     Args:
         n_hosts: hosts (namespaces) to create.
-        link: each host's send and receive rate, in tc's units (``1gbit``, ``100mbit``).
+        link: each host's send and receive rate (``1gbit``, ``100mbit``; ``10mbps`` is megabytes per
+            second, as in tc: see :func:`pipetrain.planning.units.parse_bandwidth`).
         delay: one-way delay added on each host's egress (``2ms``); needs the ``netem`` qdisc.
         subnet: the first three octets of the private /24 used inside the namespaces.
 
     Attributes:
         names: the host namespaces' names, ``pt-<pid>-<random>-h<i>``.
         ips: the hosts' addresses, ``<subnet>.<i+1>``.
+        rate: the link in bits per second, given to ``tc`` as ``<rate>bit``.
 
     Raises:
         ClusterError (on enter): not root, no iproute2, or the kernel lacks tbf (or netem for ``delay``).
     """
 
-    def __init__(self, n_hosts: int, link: str = "1gbit", delay: str | None = None,
+    def __init__(self, n_hosts: int, link: str | float = "1gbit", delay: str | None = None,
                  subnet: str = "10.213.0") -> None:
         if not 1 <= n_hosts <= 250:
             raise ValueError(f"n_hosts={n_hosts} must be between 1 and 250")
@@ -167,7 +167,7 @@ class EmulatedCluster:
         """A token bucket at the link rate on ``dev``'s egress, behind a netem delay when asked."""
         # Bucket: 4 ms of traffic (at least 64 KiB, so a 64 KiB GSO packet passes whole); queue: 50 ms.
         burst = max(64 * 1024, self.rate // 8 // 250)
-        tbf = ["tbf", "rate", self.link, "burst", str(burst), "latency", "50ms"]
+        tbf = ["tbf", "rate", f"{self.rate}bit", "burst", str(burst), "latency", "50ms"]
         if delay is None:
             _tc("-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
             return

@@ -1,5 +1,5 @@
-"""Runners for side-by-side benchmarks: pipetrain itself and its peers, PyTorch DDP and
-``torch.distributed.pipelining``.
+"""Runners for side-by-side benchmarks: pipetrain itself and its peers, PyTorch DDP,
+``torch.distributed.pipelining`` and a parameter server (PS-Sync).
 
 Each runner is one rank of a job, configured like torchrun: RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT come from the environment. So the same function runs under
@@ -130,6 +130,80 @@ def ddp(cfg: PeerConfig, fp16: bool = False) -> dict[str, Any]:
     return _finish(out)
 
 
+def ps_sync(cfg: PeerConfig, return_weights: bool = False) -> dict[str, Any]:
+    """One rank of synchronous SGD through a parameter server (PS-Sync, Pipe-SGD §4, arXiv:1811.03619).
+
+    The job has W workers and one server, the last rank (on the emulated cluster an extra host, as
+    the paper adds "an additional node as the parameter server"). Each step every worker computes the
+    gradient of its ``batch_size / W`` samples and sends it to the server as one flat tensor; the
+    server averages the W gradients, takes an SGD step on its copy of the weights and sends the new
+    flat weights back to every worker, which copy them into its model. Point-to-point only, no
+    collective. Every rank starts from the same weights (``cfg.build``); buffers (BatchNorm
+    statistics) stay local to each worker, as the server keeps parameters only.
+
+    Counted bytes per sample of the job: a worker sends its gradient, G bytes per step; the server
+    sends the weights to every worker, W * G per step (the busiest link, the bottleneck).
+
+    Args:
+        cfg: what to train; the data shards are :func:`ddp`'s.
+        return_weights: also return ``weights``, this rank's final flat weights (a float tensor).
+
+    Returns:
+        :func:`_measure`'s keys, ``runner="ps-sync"``, ``role`` (``"server"`` or ``"worker"``) and
+        ``loss`` (the last step's on a worker, None on the server).
+
+    Raises:
+        ValueError: fewer than 2 ranks, or ``batch_size`` not divisible by the W workers.
+    """
+    rank, world = _init(cfg)
+    workers, server = world - 1, world - 1
+    if workers < 1:
+        raise ValueError(f"ps-sync needs WORLD_SIZE >= 2 (workers + 1 parameter server); got {world}")
+    if cfg.batch_size % workers:
+        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the {workers} ps-sync workers "
+                         "(the server takes no samples)")
+    model = cfg.build()
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = _flat(params)
+    weight_bytes = weights.numel() * weights.element_size()
+    loss: torch.Tensor | None = None
+    if rank == server:
+        grads = [torch.empty_like(weights) for _ in range(workers)]
+
+        def step(i: int) -> None:
+            for req in [dist.irecv(g, src=w) for w, g in enumerate(grads)]:
+                req.wait()
+            weights.sub_(torch.stack(grads).mean(0), alpha=cfg.lr)
+            for req in [dist.isend(weights, dst=w) for w in range(workers)]:
+                req.wait()
+
+        out = _measure(cfg, step, workers * weight_bytes / cfg.batch_size, [weights])
+    else:
+        batches = _batches(cfg, cfg.batch_size // workers, seed=cfg.seed + 1 + rank)
+
+        def step(i: int) -> None:
+            nonlocal loss
+            x, y = batches[i % len(batches)]
+            loss = cfg.spec.loss_fn(model(x), y)
+            dist.send(_flat(torch.autograd.grad(loss, params)), dst=server)
+            dist.recv(weights, src=server)
+            with torch.no_grad():
+                for p, w in zip(params, weights.split([p.numel() for p in params])):
+                    p.copy_(w.view_as(p))
+
+        out = _measure(cfg, step, weight_bytes / cfg.batch_size, params)
+    out.update(runner="ps-sync", role="server" if rank == server else "worker",
+               loss=None if loss is None else float(loss.detach()))
+    if return_weights:
+        out["weights"] = weights if rank == server else _flat(params)
+    return _finish(out)
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous copy of ``tensors``, flattened and concatenated (p2p sends take one tensor)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
 SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -228,7 +302,8 @@ def pipetrain_job(cfg: PeerConfig, schedule: str = "pipedream", stages: Sequence
         stages: first layer of each stage, ``"auto"`` (profile on rank 0 and plan for the world size
             at ``bandwidth``), a ``Plan`` or a plan file.
         microbatches: for ``gpipe`` and ``1f1b-flush``.
-        bandwidth: what the automatic plan assumes, e.g. ``"1gbit"`` (tc units read as bits/s).
+        bandwidth: what the automatic plan assumes, e.g. ``"1gbit"``, read by
+            :func:`pipetrain.planning.parse_bandwidth` (tc's units: ``"10mbps"`` is megabytes/s).
         trace: also return ``breakdown``: per rank, seconds per minibatch each action kind took inside
             the windows: ``F``, ``B``, ``U`` compute (the forward includes taking a weight stash, the
             backward handing its gradient to the live weights), ``RF``/``RB`` waiting for a neighbour,

@@ -1,8 +1,11 @@
-"""``pipetrain bench``: pipetrain's schedules beside PyTorch DDP and ``torch.distributed.pipelining``.
+"""``pipetrain bench``: pipetrain's schedules beside PyTorch DDP, ``torch.distributed.pipelining``
+and a parameter server.
 
 Every system trains the same zoo model on the same synthetic data, at the same minibatch size (the
 samples of one optimizer update), on the same workers (one per emulated host, one torch thread each)
-and the same link; each is a fresh job. The systems (the keys of every per-system map in the report):
+and the same link; each is a fresh job. ``ps-sync`` adds its parameter server on one more host, so
+when it runs the cluster has ``workers + 1`` hosts and every other system uses the first
+``workers``. The systems (the keys of every per-system map in the report):
 
 ==================  ===============================================================================
 ``pipedream``       pipetrain, PipeDream's 1F1B with weight stashing, on the automatic plan
@@ -13,6 +16,9 @@ and the same link; each is a fresh job. The systems (the keys of every per-syste
 ``ddp``             ``DistributedDataParallel``, BSP over gloo (each worker takes batch / workers)
 ``torch-1f1b``      ``torch.distributed.pipelining.Schedule1F1B``
 ``torch-gpipe``     ``torch.distributed.pipelining.ScheduleGPipe``
+``ddp-fp16``        only when named: ``ddp`` with gradients compressed to fp16 (``fp16_compress_hook``)
+``ps-sync``         only when named: synchronous SGD through a parameter server (Pipe-SGD §4's
+                    PS-Sync; each worker takes batch / workers, the server is the extra host)
 ==================  ===============================================================================
 
 The pipelines other than ``pipedream`` run on one *split* (first layer of each stage): ``--stages``
@@ -22,7 +28,8 @@ systems run at every count of ``--microbatches`` they accept and report their be
 
 Numbers per system: samples/s of the whole job (median over timed windows after warm-up; see
 :mod:`pipetrain.bench.peers`), bytes each worker sends per sample (counted from tensor sizes; also
-read from each host's interface on the emulated cluster), speedups. Beside them, the bound a
+read from each host's interface on the emulated cluster; for ``ps-sync`` the server's, its busiest
+link, with every rank's figure under ``bytes_per_sample_per_rank``), speedups. Beside them, the bound a
 pipeline's slowest stage sets: each stage's forward + backward measured alone in this process with
 the workers' thread count (median), bound = batch / slowest stage. The pipedream run is traced, so
 the report also gives each of its workers' seconds per minibatch in compute and in waiting.
@@ -41,11 +48,12 @@ from typing import Any
 
 import torch
 
-from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, summarize, torch_pipeline
+from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, ps_sync, summarize, \
+    torch_pipeline
 
 SYSTEMS = ("pipedream", "1f1b-flush", "gpipe", "model-parallel", "ddp", "torch-1f1b", "torch-gpipe")
-EXTRA_SYSTEMS = ("ddp-fp16",)
-"""Run only when named in ``systems``: DDP with ``fp16_compress_hook``."""
+EXTRA_SYSTEMS = ("ddp-fp16", "ps-sync")
+"""Run only when named in ``systems``: DDP with ``fp16_compress_hook``; a parameter server."""
 MICROBATCHED = ("1f1b-flush", "gpipe", "torch-1f1b", "torch-gpipe")
 ONE_F_ONE_B = ("1f1b-flush", "torch-1f1b")  # need at least one microbatch per stage
 
@@ -64,8 +72,9 @@ class SuiteConfig:
 
     Attributes:
         model, model_kwargs: a :data:`pipetrain.zoo.SPECS` name and its size knobs.
-        workers: one per emulated host (or local process on loopback).
-        link: each host's rate in tc units (``1gbit``); also the bandwidth the automatic plan assumes.
+        workers: one per emulated host (or local process on loopback); ``ps-sync`` adds its server.
+        link: each host's rate (``1gbit``; ``10mbps`` is megabytes/s, as in tc: see
+            :func:`pipetrain.planning.parse_bandwidth`); also the bandwidth the automatic plan assumes.
         loopback: local processes on 127.0.0.1 instead of an emulated cluster (the link is not enforced).
         batch_size: samples per optimizer update, for every system.
         stages: the split for every pipeline, ``pipedream`` included; None: see the module docstring.
@@ -106,6 +115,11 @@ class SuiteConfig:
                              "one worker per stage")
         self.peer()  # validates model, batch size and timing counts
 
+    @property
+    def hosts(self) -> int:
+        """Hosts (or local processes) the run needs: the workers, plus ``ps-sync``'s parameter server."""
+        return self.workers + 1 if "ps-sync" in self.systems else self.workers
+
     def peer(self) -> PeerConfig:
         return PeerConfig(model=self.model, model_kwargs=self.model_kwargs, batch_size=self.batch_size,
                           warmup=self.warmup, windows=self.windows, steps_per_window=self.steps_per_window,
@@ -115,7 +129,8 @@ class SuiteConfig:
 QUICK = {"warmup": 2, "windows": 3, "steps_per_window": 2, "bound_repeats": 5}
 """``--quick``: fewer and shorter windows (about 4 minutes for vgg-like on a 2-core machine)."""
 
-Launcher = Callable[[Callable[..., Any], tuple], list[Any]]
+Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
+"""``launch(fn, args, world)``: run ``fn(*args)`` as ranks 0..world-1, return their results."""
 
 
 def run_suite(cfg: SuiteConfig, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -132,18 +147,18 @@ def run_suite(cfg: SuiteConfig, log: Callable[[str], None] = lambda line: None) 
     if reason:
         log(f"{reason}; running on loopback")
     if cfg.loopback or reason:
-        report = _run_all(cfg, lambda fn, args: spawn(fn, cfg.workers, args), "loopback", log)
+        report = _run_all(cfg, lambda fn, args, world: spawn(fn, world, args), "loopback", log)
         report["note"] = reason
     else:
-        with EmulatedCluster(cfg.workers, link=cfg.link) as cluster:
+        with EmulatedCluster(cfg.hosts, link=cfg.link) as cluster:
             ports = iter(range(29600, 30600))  # a fresh port per job: no waiting on the last job's sockets
 
-            def launch(fn: Callable[..., Any], args: tuple) -> list[Any]:
-                return cluster.spawn(fn, args, port=next(ports), timeout=3 * cfg.timeout_s)
+            def launch(fn: Callable[..., Any], args: tuple, world: int) -> list[Any]:
+                return cluster.spawn(fn, args, world=world, port=next(ports), timeout=3 * cfg.timeout_s)
             # what the link carries (TCP payload, one direction): DDP's rate is bounded by it
             link_bps = socket_throughput(cluster, 0, 1, seconds=2.0)["bits_per_s"]
             log(f"host 0 -> host 1 socket throughput: {link_bps / 1e6:.0f} Mbit/s")
-            report = _run_all(cfg, launch, f"{cfg.workers} namespaces, {cfg.link}", log)
+            report = _run_all(cfg, launch, f"{cfg.hosts} namespaces, {cfg.link}", log)
             report["link_payload_bits_per_s"] = link_bps
     report["wall_s"] = time.perf_counter() - started
     return report
@@ -155,10 +170,11 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
     runs: dict[str, dict[int, dict[str, Any]]] = {}  # system -> microbatches -> summary
     errors: dict[str, str] = {}
 
-    def job(system: str, m: int, fn: Callable[..., Any], args: tuple) -> dict[str, Any] | None:
+    def job(system: str, m: int, fn: Callable[..., Any], args: tuple,
+            world: int = cfg.workers) -> dict[str, Any] | None:
         t0, load = time.perf_counter(), os.getloadavg()[0]
         try:
-            results = launch(fn, args)
+            results = launch(fn, args, world)
         except RuntimeError as e:  # PipetrainError and friends: record, go on with the others
             errors[f"{system} x{m}"] = str(e).splitlines()[0]
             log(f"{system} (microbatches {m}): failed: {errors[f'{system} x{m}']}")
@@ -181,6 +197,9 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
             continue
         if system.startswith("ddp"):
             job(system, 1, ddp, (peer, system == "ddp-fp16"))
+            continue
+        if system == "ps-sync":
+            job(system, 1, ps_sync, (peer,), world=cfg.hosts)
             continue
         for m in _counts(system, cfg, len(split)):
             if system.startswith("torch-"):
@@ -310,15 +329,16 @@ def _report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], split:
     top = {s: runs[s][m] for s, m in best.items()}
     order = [s for s in (*SYSTEMS, *EXTRA_SYSTEMS) if s in top]
     rate = {s: top[s]["samples_per_s"] for s in order}
-    bps = {s: statistics.mean(top[s]["counted_bytes_per_sample"]) for s in order}
-    wire = {s: (None if None in top[s]["iface_bytes_per_sample"] else statistics.mean(top[s]["iface_bytes_per_sample"]))
-            for s in order}
+    bps = {s: _per_worker(s, top[s]["counted_bytes_per_sample"]) for s in order}
+    wire = {s: None if None in (w := top[s]["iface_bytes_per_sample"]) else _per_worker(s, w) for s in order}
     # a stage of r replicas takes r minibatches per its time (round robin)
     replicas = top["pipedream"]["replicas"] if "pipedream" in top else [1] * len(stages)
     bound = min(r * cfg.batch_size / st["forward_backward_s"] for r, st in zip(replicas, stages))
     report: dict[str, Any] = {
         "config": {k: v for k, v in asdict(cfg).items() if k != "systems"}, "where": where, "note": None,
         "samples_per_s": rate, "bytes_per_sample": bps, "iface_bytes_per_sample": wire,
+        "bytes_per_sample_per_rank": {s: top[s]["counted_bytes_per_sample"] for s in order},
+        "iface_bytes_per_sample_per_rank": {s: top[s]["iface_bytes_per_sample"] for s in order},
         "window_samples_per_s": {s: top[s]["window_samples_per_s"] for s in order},
         "microbatches": {s: best[s] for s in order},
         "sweep": {s: {str(m): runs[s][m]["samples_per_s"] for m in sorted(runs[s])} for s in order if s in MICROBATCHED},
@@ -341,6 +361,12 @@ def _report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], split:
             targets["bytes_saved_vs_ddp"] = 1 - bps["pipedream"] / bps["ddp"]
     report["targets"] = {k: {"value": v, "target": TARGETS[k], "met": v >= TARGETS[k]} for k, v in targets.items()}
     return report
+
+
+def _per_worker(system: str, per_rank: list[float]) -> float:
+    """One figure of bytes per sample for a system: the mean over its ranks, except ``ps-sync``'s,
+    which is its server's (the last rank): every byte crosses the server's link, so that one bounds it."""
+    return per_rank[-1] if system == "ps-sync" else statistics.mean(per_rank)
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -377,10 +403,19 @@ def format_table(report: dict[str, Any]) -> str:
     if "one_worker_samples_per_s" in report:
         lines.append(f"one worker alone, whole model (forward+backward+SGD step): "
                      f"{report['one_worker_samples_per_s']:.1f} samples/s")
-    if report.get("link_payload_bits_per_s") and "ddp" in rate:
-        link = report["link_payload_bits_per_s"]
+    link = report.get("link_payload_bits_per_s")
+    if link and "ddp" in rate:
         lines.append(f"link: {link / 1e6:.0f} Mbit/s TCP payload measured host 0 -> 1; at that rate DDP's "
                      f"{bps['ddp']:,.0f} bytes/sample/worker allow at most {link / 8 / bps['ddp']:.1f} samples/s")
+    if "ps-sync" in rate:
+        per_rank = report["bytes_per_sample_per_rank"]["ps-sync"]
+        # the server sends the weights only after every gradient has arrived: in, then out, at the link rate
+        bound = f"; receiving then sending them at that link rate allows at most " \
+                f"{link / 8 / (2 * bps['ps-sync']):.1f} samples/s" if link else ""
+        lines.append(f"ps-sync: {len(per_rank) - 1} workers and a parameter server (rank {len(per_rank) - 1}, its "
+                     f"own host); its bytes/sample are the server's, the busiest link (the weights to every worker, "
+                     f"after as many gradient bytes in); each worker sends {statistics.mean(per_rank[:-1]):,.0f}"
+                     f"{bound}")
     if "load_average" in report:
         lines.append(f"load average (1 min) at start and end: {report['load_average'][0]:.2f}, "
                      f"{report['load_average'][1]:.2f}; wall time {report['wall_s']:.0f} s")
@@ -426,9 +461,9 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax2.set_xlim(min(sizes) / 10, max(sizes) * 10)
     for i, v in enumerate(sizes):
         ax2.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
-    ax2.set_xlabel("bytes sent per worker per sample (log)")
+    ax2.set_xlabel("bytes sent per worker per sample (log; ps-sync: its server)")
     fig.suptitle(f"{cfg['model']}, {cfg['workers']} workers ({report['where']}), batch {cfg['batch_size']}: "
-                 "pipetrain (blue) and PyTorch (orange)", fontsize=10)
+                 "pipetrain (blue) and baselines (orange)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -438,7 +473,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="vgg-like", help="a pipetrain.zoo model (default vgg-like)")
-    p.add_argument("--workers", type=int, default=2, help="one per emulated host (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="one per emulated host (default 2); ps-sync adds a host for its server")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--link", default="1gbit", help="each host's rate, tc units (default 1gbit); "
                                                        "also what the automatic plan assumes")

@@ -121,3 +121,35 @@ def _ring_coded(blocks: torch.Tensor, r: int, p: int, codec: Codec, nbytes: int,
         exchange(send, recv, functools.partial(codec.decompress, send, blocks[(r + 1 - s) % p]))
         send, recv = recv, send
     codec.decompress(send, out=blocks[(r + 2) % p])  # the last arrival
+
+
+def ring_compute_seconds(codec: Codec, elements: int, workers: int, dtype: torch.dtype = torch.float32,
+                         repeats: int = 3) -> float:
+    """Seconds of arithmetic one rank spends in one :func:`ring_allreduce` of ``elements`` over
+    ``workers`` ranks, timed here without sending anything: the first encode, p-1 reduce steps
+    (decode, add, encode; an add alone for ``none``) and p-1 all-gather decodes. The median of
+    ``repeats``; the γ of Pipe-SGD's ring model (:func:`pipetrain.costs.ring_allreduce_time`).
+    """
+    import statistics
+    import time
+
+    if workers < 2:
+        return 0.0
+    b = block_size(elements, workers, codec.granule)
+    g, acc = torch.rand(b, dtype=dtype), torch.rand(b, dtype=dtype)
+    payload = torch.empty(codec.payload_bytes(b, dtype), dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):  # the first run warms the allocator up
+        t0 = time.perf_counter()
+        if codec.lossy:
+            codec.compress(g, out=payload)
+            for _ in range(workers - 1):
+                codec.decompress(payload, out=acc).add_(g)
+                codec.compress(acc, out=payload)
+            for _ in range(workers - 1):
+                codec.decompress(payload, out=acc)
+        else:
+            for _ in range(workers - 1):
+                acc.add_(g)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
