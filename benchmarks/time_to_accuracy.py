@@ -16,6 +16,9 @@ epoch from the seed):
 * ``pipedream``: ``pipetrain.train(schedule="pipedream")``, 1F1B with weight stashing.
 * ``pipedream+vs``: the same with ``vertical_sync=True``.
 * ``naive``: ``schedule="naive"``, pipelining without weight stashing (PipeDream §3.4's ablation).
+* ``pipe-sgd``, ``pipe-sgd-trunc16``, ``pipe-sgd-quant8``: ``pipetrain.train(strategy="pipe-sgd")``,
+  K = 2 (each update one minibatch stale), each of the M workers on its share of every minibatch as
+  in ``ddp``, uncompressed or with a codec inside the ring allreduce.
 
 The distributed systems use the same worker count M (one process per worker, ``threads`` torch
 threads each). After each epoch the model is kept (the pipeline systems save per-stage checkpoints,
@@ -70,10 +73,11 @@ from torch.utils.data import Dataset, default_collate
 
 import pipetrain
 from pipetrain import data, zoo
+from pipetrain.bench.suite import PIPE_SGD
 from pipetrain.runtime.launch import spawn
 from pipetrain.runtime.worker import epoch_order
 
-SYSTEMS = ("sequential", "ddp", "pipedream", "pipedream+vs", "naive")
+SYSTEMS = ("sequential", "ddp", "pipedream", "pipedream+vs", "naive", *PIPE_SGD)
 
 
 @dataclass(frozen=True)
@@ -192,15 +196,18 @@ def run_ddp(model: nn.Module, dataset: Dataset, s: Setting, seed: int, threads: 
 
 def run_pipetrain(system: str, model: nn.Module, dataset: Dataset, s: Setting, seed: int, threads: int,
                   timeout: float) -> Run:
-    schedule = "naive" if system == "naive" else "pipedream"
+    if system in PIPE_SGD:
+        how: dict[str, Any] = dict(strategy="pipe-sgd", workers=s.workers, compression=PIPE_SGD[system])
+    else:
+        how = dict(stages=list(s.stages), schedule="naive" if system == "naive" else "pipedream",
+                   vertical_sync=system == "pipedream+vs")
     with tempfile.TemporaryDirectory(prefix="tta-") as ckpt:
         wall0 = time.time()
         try:
             result = pipetrain.train(
                 model, dataset, loss_fn=F.cross_entropy, optimizer=functools.partial(torch.optim.SGD, lr=s.lr),
-                stages=list(s.stages), schedule=schedule, vertical_sync=system == "pipedream+vs",
                 batch_size=s.batch_size, epochs=s.epochs, shuffle=True, seed=seed, threads=threads,
-                checkpoint_dir=ckpt, keep_checkpoints=None, timeout=timeout)
+                checkpoint_dir=ckpt, keep_checkpoints=None, timeout=timeout, **how)
         except pipetrain.PipetrainError as e:
             # e.g. a NaN loss: the run stops, history is lost with the workers; the checkpoints of the
             # completed epochs remain, timed by their files (the last stage to save each epoch).
@@ -218,7 +225,7 @@ def _failed_run(system: str, model: nn.Module, s: Setting, seed: int, ckpt: str,
     from pipetrain.runtime import checkpoint
 
     saved = checkpoint.epochs_saved(ckpt)
-    world = len(s.stages)
+    world = s.workers
     done = sorted(set.intersection(*(set(saved.get(r, [])) for r in range(world)))) if saved else []
     ends, states = [], []
     for e in done:
@@ -397,8 +404,9 @@ def plot(runs: list[Run], target: float, settings: dict[str, Setting], png: Path
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
     for ax in axes.flat[len(names):]:
         ax.set_visible(False)
-    colors = dict(zip(SYSTEMS, ("black", "tab:blue", "tab:green", "tab:orange", "tab:red")))
-    styles = dict(zip(SYSTEMS, ("-", "-", "-", "--", ":")))
+    colors = dict(zip(SYSTEMS, ("black", "tab:blue", "tab:green", "tab:orange", "tab:red", "tab:purple",
+                                "tab:brown", "tab:pink")))
+    styles = dict(zip(SYSTEMS, ("-", "-", "-", "--", ":", "-", "--", ":")))
     for ax, name in zip(axes.flat, names):
         seeds = sorted({r.seed for r in runs if r.setting == name})
         for system in SYSTEMS:

@@ -1,9 +1,13 @@
 """A pipetrain job to launch with torchrun, on one machine or several.
 
-One machine, 4 workers:     torchrun --nproc-per-node 4 examples/mlp_job.py
+One machine, 4 workers:     torchrun --nproc-per-node 4 examples/mlp_job.py [--strategy pipe-sgd]
 Two machines, 2 workers each (run on both; --node-rank 0 on the first, 1 on the second):
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr HOST0 --master-port 29500 examples/mlp_job.py
+
+As a pipeline, worker r runs stage r; with ``--strategy ddp`` or ``pipe-sgd`` every worker holds the
+whole model and takes its share of every minibatch.
 """
+import argparse
 import functools
 
 import torch
@@ -25,11 +29,14 @@ def data():
 
 if __name__ == "__main__":
     import os
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="pipeline", help="pipeline, ddp or pipe-sgd")
+    strategy = parser.parse_args().strategy
     world = int(os.environ.get("WORLD_SIZE", "4"))
-    stages = [0, 2, 4, 6][:world]
+    layout = {"stages": [0, 2, 4, 6][:world]} if strategy == "pipeline" else {"workers": world}
     result = pipetrain.train(model(), data(), loss_fn=torch.nn.functional.mse_loss,
-                             optimizer=functools.partial(torch.optim.SGD, lr=0.05), stages=stages,
-                             batch_size=16, epochs=2, shuffle=False)
+                             optimizer=functools.partial(torch.optim.SGD, lr=0.05), strategy=strategy,
+                             batch_size=16, epochs=2, shuffle=False, **layout)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"final loss {result.history[-1]['loss']:.6f} after {len(result.history)} steps, "
               f"{result.samples_per_s:.0f} samples/s")

@@ -162,6 +162,18 @@ def pipe_sgd_pipelined_time(iterations: Num, update_s: Num, forward_s: Num, firs
     return iterations * np.maximum(update_s + forward_s + first_backward_s, comm_s)
 
 
+def shared_core_compute_s(update_s: Num, compute_s: Num, comm_cpu_s: Num, cores_per_worker: float) -> Num:
+    """The compute side of eq. 4 (l_up + l_comp) when the communication thread has no core of its own.
+
+    Ours, not the paper's: Pipe-SGD's workers compute on a GPU while a CPU communicates, so eq. 4
+    takes the two as separate resources. A worker with fewer than 2 cores runs its allreduce's CPU
+    work (copying the gradient out, the codec, the network stack's part of every send and receive)
+    on the cores its compute uses, so that work adds to the compute side:
+    ``l_up + l_comp + l_comm_cpu``; with 2 or more cores it overlaps and adds nothing.
+    """
+    return update_s + compute_s + (comm_cpu_s if cores_per_worker < 2 else 0.0)
+
+
 def scaling_efficiency(update_s: Num, compute_s: Num, comm_s: Num) -> Num:
     """Eq. 7: actual over ideal speedup of Pipe-SGD on p workers at the single node's per-worker batch:
     ``SE = (l_up + l_comp) / max(l_up + l_comp, l_comm)``; 1 once compute bound."""

@@ -346,8 +346,9 @@ class DataParallelPrediction:
         formula_samples_per_s: from the paper's closed form: Pipe-SGD eq. 4/5 for K >= 2, eq. 2 for
             synchronous SGD (K = 1, and ddp).
         scaling_efficiency: Pipe-SGD eq. 7, (l_up + l_comp) / max(l_up + l_comp, l_comm).
-        compute_s, update_s, comm_s: one worker's forward + backward on its shard, optimizer step,
-            and one gradient allreduce (Pipe-SGD's ring model, eq. 5's communication term).
+        compute_s, update_s, comm_s: one worker's forward + backward on its shard, optimizer step
+            (with the allreduce's CPU when it shares the worker's cores), and one gradient allreduce
+            (Pipe-SGD's ring model, eq. 5's communication term).
         payload_bytes: the gradient as the ring sends it (after compression).
         bound: ``"compute"`` or ``"communication"``, whichever is slower per iteration.
         sim: the simulator's full result (trace, busy fractions).
@@ -373,7 +374,8 @@ class DataParallelPrediction:
 
 def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: Link, batch_size: int | None = None,
                           staleness: int | None = None, compression: str | None = None, update_s: float = 0.0,
-                          reduce_s: float | None = None, minibatches: int = 32) -> DataParallelPrediction:
+                          reduce_s: float | None = None, comm_cpu_s: float = 0.0,
+                          cores_per_worker: float = math.inf, minibatches: int = 32) -> DataParallelPrediction:
     """Predict a data-parallel strategy's throughput from a profile (Pipe-SGD §3.1, eq. 2-7).
 
     Every worker runs the whole model on batch/``workers`` samples; one gradient allreduce is a ring
@@ -391,6 +393,9 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         update_s: seconds per optimizer step (the profile does not time it).
         reduce_s: seconds of codec arithmetic per allreduce (γ's total); default measured here with
             :func:`pipetrain.strategies.ring.ring_compute_seconds`.
+        comm_cpu_s, cores_per_worker: CPU seconds one allreduce costs a worker, and the cores each
+            worker has: with fewer than 2, a stale strategy's compute side carries that CPU too
+            (:func:`pipetrain.costs.shared_core_compute_s`; the simulator charges it to ``U``).
         minibatches: how many the simulator runs (its rate is taken between the first and last update).
 
     Raises:
@@ -416,13 +421,15 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
     comm_s = costs.ring_allreduce_time(workers, payload, link.latency_s, 1 / link.bandwidth_Bps, gamma) \
         if workers > 1 else 0.0
+    # synchronous SGD waits for the allreduce anyway (eq. 2), so its CPU only counts for K >= 2
+    step_s = costs.shared_core_compute_s(update_s, 0.0, comm_cpu_s, cores_per_worker) if k > 1 else update_s
     sim = simulate(build_data_parallel(strategy, workers, minibatches, k), profile, [0], link, batch_size,
-                   update_s, sync_s=[comm_s])
-    per_iteration = costs.pipe_sgd_time(1, update_s, compute_s, comm_s) if k > 1 else \
+                   step_s, sync_s=[comm_s])
+    per_iteration = costs.pipe_sgd_time(1, step_s, compute_s, comm_s) if k > 1 else \
         costs.sync_sgd_time(1, update_s, compute_s, comm_s)
     return DataParallelPrediction(
         samples_per_s=sim.samples_per_s or 0.0,
         formula_samples_per_s=float(batch / per_iteration) if batch else 0.0,
-        scaling_efficiency=float(costs.scaling_efficiency(update_s, compute_s, comm_s)), compute_s=compute_s,
-        update_s=update_s, comm_s=comm_s, payload_bytes=payload,
-        bound="compute" if update_s + compute_s >= comm_s else "communication", sim=sim)
+        scaling_efficiency=float(costs.scaling_efficiency(step_s, compute_s, comm_s)), compute_s=compute_s,
+        update_s=step_s, comm_s=comm_s, payload_bytes=payload,
+        bound="compute" if step_s + compute_s >= comm_s else "communication", sim=sim)

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 
+from pipetrain.runtime.launch import keep_freed_memory
+
 
 def main(workdir: str, rank: str) -> None:
     code = 0
+    keep_freed_memory()  # every system's processes alike, as pipetrain's own launcher does
     try:
         with open(Path(workdir) / "job.pkl", "rb") as f:
             sys.path[:] = [*pickle.load(f), *(p for p in sys.path if p)]

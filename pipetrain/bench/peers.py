@@ -283,8 +283,7 @@ def torch_pipeline(cfg: PeerConfig, stages: Sequence[int], microbatches: int = 4
     return _finish(out)
 
 
-def pipetrain_job(cfg: PeerConfig, schedule: str = "pipedream", stages: Sequence[int] | str = "auto",
-                  microbatches: int = 1, bandwidth: str | float = "1gbit", trace: bool = False) -> dict[str, Any]:
+def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: bool = False) -> dict[str, Any]:
     """One rank of a ``pipetrain.train`` job, timed from the job's own history.
 
     The job trains one epoch of ``max(1, warmup) + windows * steps_per_window + 1`` minibatches, in
@@ -298,12 +297,11 @@ def pipetrain_job(cfg: PeerConfig, schedule: str = "pipedream", stages: Sequence
     Args:
         cfg: model, batch size, windows, threads; ``warmup`` counts minibatches (at least 1, whose
             end starts the first window).
-        schedule: a :data:`pipetrain.schedule.SCHEDULES` name.
-        stages: first layer of each stage, ``"auto"`` (profile on rank 0 and plan for the world size
-            at ``bandwidth``), a ``Plan`` or a plan file.
-        microbatches: for ``gpipe`` and ``1f1b-flush``.
-        bandwidth: what the automatic plan assumes, e.g. ``"1gbit"``, read by
-            :func:`pipetrain.planning.parse_bandwidth` (tc's units: ``"10mbps"`` is megabytes/s).
+        runner: the system's name in the report.
+        options: ``pipetrain.train``'s options for this system (the world size is ``workers``): a
+            pipeline's ``schedule``, ``stages`` (first layers, or ``"auto"``: profile on rank 0 and
+            plan for the world size at ``bandwidth``, e.g. ``"1gbit"``), ``microbatches``; or a
+            data-parallel ``strategy`` with its ``staleness`` and ``compression``.
         trace: also return ``breakdown``: per rank, seconds per minibatch each action kind took inside
             the windows: ``F``, ``B``, ``U`` compute (the forward includes taking a weight stash, the
             backward handing its gradient to the live weights), ``RF``/``RB`` waiting for a neighbour,
@@ -312,7 +310,8 @@ def pipetrain_job(cfg: PeerConfig, schedule: str = "pipedream", stages: Sequence
     Returns:
         The keys :func:`_measure` returns (counted bytes: ``result.bytes_sent`` of this rank over every
         sample trained; interface bytes: the tx counter, sampled by a thread and read at the first and
-        last window edge), and ``stages``, ``replicas``, ``plan``, ``predicted_samples_per_s``.
+        last window edge), and ``stages``, ``replicas``, ``plan``, ``predicted_samples_per_s`` (None
+        for data parallelism), ``ring_s`` (pipe-sgd: the median seconds of its ring allreduces).
     """
     import pipetrain
 
@@ -328,10 +327,8 @@ def pipetrain_job(cfg: PeerConfig, schedule: str = "pipedream", stages: Sequence
     try:
         result = pipetrain.train(
             cfg.build(), data, loss_fn=cfg.spec.loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr),
-            stages=stages if isinstance(stages, str) else [int(b) for b in stages],
-            workers=int(os.environ["WORLD_SIZE"]), bandwidth=bandwidth, schedule=schedule,
-            batch_size=cfg.batch_size, microbatches=microbatches, epochs=1, shuffle=False, seed=cfg.seed,
-            timeout=cfg.timeout_s, threads=cfg.threads, trace=trace)
+            workers=int(os.environ["WORLD_SIZE"]), batch_size=cfg.batch_size, epochs=1, shuffle=False,
+            seed=cfg.seed, timeout=cfg.timeout_s, threads=cfg.threads, trace=trace, **options)
     finally:
         if sampler:
             sampler.stop()
@@ -346,21 +343,78 @@ def pipetrain_job(cfg: PeerConfig, schedule: str = "pipedream", stages: Sequence
     rank = int(os.environ["RANK"])
     with torch.no_grad():
         moved = sum(float(((p - q) ** 2).sum()) for p, q in zip(result.model.parameters(), cfg.build().parameters()))
+    stages = options.get("stages")
     out: dict[str, Any] = {
-        "runner": schedule, "rank": rank, "world": int(os.environ["WORLD_SIZE"]), "model": cfg.model,
-        "batch_size": cfg.batch_size, "threads": cfg.threads, "microbatches": microbatches,
+        "runner": runner, "rank": rank, "world": int(os.environ["WORLD_SIZE"]), "model": cfg.model,
+        "batch_size": cfg.batch_size, "threads": cfg.threads, "microbatches": options.get("microbatches", 1),
         "samples_per_s": statistics.median(rates), "window_samples_per_s": rates,
         "counted_bytes_per_sample": result.bytes_sent[rank] / (steps * cfg.batch_size),
         "iface_bytes_per_sample": (sampler.at(edges[-1]) - sampler.at(edges[0])) / timed if sampler else None,
         "update_norm": moved ** 0.5, "loss": result.history[-1]["loss"],
-        "stages": result.plan.boundaries if result.plan else [int(b) for b in stages],
-        "replicas": result.plan.replicas if result.plan else [1] * len(stages),
+        "stages": result.plan.boundaries if result.plan else None if stages is None else [int(b) for b in stages],
+        "replicas": result.plan.replicas if result.plan else None if stages is None else [1] * len(stages),
         "plan": result.plan.to_dict() if result.plan else None,
         "predicted_samples_per_s": result.predicted_samples_per_s,
+        "ring_s": statistics.median(result.ring_seconds[rank]) if result.ring_seconds[rank] else None,
     }
     if trace:
         out["breakdown"] = [_breakdown(t, edges[0], edges[-1], cfg.windows * spw) for t in result.traces]
     return out
+
+
+def ring_cost(cfg: PeerConfig, codec: str | None, repeats: int = 5) -> dict[str, Any]:
+    """One rank of pipetrain's ring allreduce of the model's whole gradient alone, without training:
+    what one allreduce costs this rank in wall seconds and in CPU seconds of the whole process (the
+    copy of the gradient into the ring's buffer, the ring's arithmetic, gloo's threads and the
+    kernel's network work done in its calls; ``resource``'s user + system time; ``machine_busy_s``:
+    the whole machine's busy CPU seconds meanwhile), and ``latency_s``: one hop of a ring of one
+    granule per rank (α of Pipe-SGD's eq. 5: the fixed cost of a message, Python and gloo included).
+    Medians of ``repeats`` after one warm-up. Inputs of the data-parallel predictions
+    (:func:`pipetrain.simulate.predict_data_parallel`'s ``comm_cpu_s`` and the link latency),
+    measured on the same hosts and link as the runs they predict."""
+    import resource
+
+    from pipetrain.strategies.compression import get_codec
+    from pipetrain.strategies.ring import block_size, ring_allreduce
+
+    rank, world = _init(cfg)
+    elements = sum(p.numel() for p in cfg.build().parameters() if p.requires_grad)
+    chosen = get_codec(codec)
+    b = block_size(elements, world, chosen.granule)
+    group = dist.new_group(list(range(world)))
+    walls, cpus, machine = [], [], []
+    grad, blocks = torch.randn(elements), torch.zeros(world, b)
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0, u0, m0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), machine_busy_s()
+        blocks.view(-1)[:elements].copy_(grad)  # what pipe-sgd's A action does
+        ring_allreduce(blocks, group, chosen)
+        dist.barrier()
+        u1, m1 = resource.getrusage(resource.RUSAGE_SELF), machine_busy_s()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime)
+        machine.append(m1 - m0)
+    tiny = torch.zeros(world, chosen.granule)
+    hops = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ring_allreduce(tiny, group, chosen)
+        hops.append((time.perf_counter() - t0) / (2 * (world - 1)))
+    return _finish({"rank": rank, "codec": codec, "elements": elements, "wall_s": statistics.median(walls[1:]),
+                    "cpu_s": statistics.median(cpus[1:]), "machine_busy_s": statistics.median(machine[1:]),
+                    "latency_s": statistics.median(hops[1:])})
+
+
+def machine_busy_s() -> float:
+    """CPU seconds this machine's cores have been busy since boot (/proc/stat; all processes and the
+    kernel's interrupt work alike), or nan where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
 
 
 def _breakdown(records: Sequence[tuple[str, float, float]], start: float, end: float,
@@ -501,6 +555,6 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "samples_per_s": first["samples_per_s"], "window_samples_per_s": first["window_samples_per_s"],
         "counted_bytes_per_sample": [r["counted_bytes_per_sample"] for r in results],
         "iface_bytes_per_sample": [r["iface_bytes_per_sample"] for r in results],
-        **{k: first[k] for k in ("stages", "replicas", "plan", "predicted_samples_per_s", "breakdown")
+        **{k: first[k] for k in ("stages", "replicas", "plan", "predicted_samples_per_s", "breakdown", "ring_s")
            if k in first},
     }

