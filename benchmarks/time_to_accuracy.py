@@ -270,9 +270,24 @@ def _busy_s() -> float:
 
 
 def _own_s() -> float:
-    """CPU seconds of this process and its children that have been waited for (spawn joins them)."""
+    """CPU seconds of this process and all it started: its children that have been waited for, and
+    the living ones with theirs (pipetrain's workers are children of its fork server, a living child
+    of this process, which waits for them: /proc/PID/stat's utime, stime, cutime and cstime)."""
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime + _living_children_s()
+
+
+def _living_children_s() -> float:
+    total, me = 0, str(os.getpid())
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me:  # ppid
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / _TICK
 
 
 class Foreign:

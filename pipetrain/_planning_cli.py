@@ -12,7 +12,7 @@ from pipetrain.cli import _call_factory, _ints, _loss
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model
-from pipetrain.registry import STRATEGIES, build_schedule, lookup
+from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
 from pipetrain.simulate import Link, predict_data_parallel, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--plan", help="a plan JSON from `pipetrain plan`")
     where.add_argument("--stages", help="first layer index of each stage (one worker each), e.g. 0,3,7")
     p.add_argument("--straight", action="store_true", help="with --workers: one worker per stage")
-    p.add_argument("--schedule", default="pipedream", help="pipedream | gpipe | 1f1b-flush | model-parallel | naive")
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help=f"pipeline: {' | '.join(SCHEDULES)} (default "
+                                                                   f"{DEFAULT_SCHEDULE})")
     p.add_argument("--minibatches", type=int, default=None,
                    help="minibatches to simulate (default 32, rounded up to a multiple of every stage's replicas)")
     p.add_argument("--microbatches", type=int, default=1)

@@ -60,13 +60,13 @@ def _ints(text: str) -> list[int]:
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
-    from pipetrain.registry import SCHEDULES, STRATEGIES
+    from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES
     from pipetrain.strategies.compression import CODECS
 
     p.add_argument("--strategy", default="pipeline",
                    help="; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values()) + " (default pipeline)")
     p.add_argument("--schedule", default=None,
-                   help=f"pipeline: {' | '.join(SCHEDULES)} (default pipedream)")
+                   help=f"pipeline: {' | '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE})")
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses the input stage's weight version")
     p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update of the whole job")
     p.add_argument("--microbatches", type=int, default=1, help="pipeline, gpipe / 1f1b-flush: slices per minibatch")

@@ -61,6 +61,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
 )}
 
 
+DEFAULT_SCHEDULE = "pipedream"
+
+
 @dataclass(frozen=True)
 class StrategySpec:
     """A way to share training among workers.

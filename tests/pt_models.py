@@ -49,13 +49,16 @@ class Untraceable(nn.Module):
 
 class FaultAt(nn.Module):
     """Identity that fails on its ``n``-th forward: ``die`` ends the process as a crash would,
-    ``hang`` stops answering."""
+    ``hang`` stops answering; only on worker ``rank`` when given (every worker of data parallelism
+    holds this layer)."""
 
-    def __init__(self, n: int, how: str) -> None:
+    def __init__(self, n: int, how: str, rank: int | None = None) -> None:
         super().__init__()
-        self.n, self.how, self.calls = n, how, 0
+        self.n, self.how, self.calls, self.rank = n, how, 0, rank
 
     def forward(self, x):
+        if self.rank is not None and os.environ.get("RANK") != str(self.rank):
+            return x
         self.calls += 1
         if self.calls == self.n and self.how == "die":
             os._exit(3)

@@ -9,6 +9,7 @@ minibatch j-1. K = 1 (and every warm-up epoch) is plain minibatch SGD. Each epoc
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch.utils.data import TensorDataset
 
 import pipetrain
 from pipetrain.runtime import checkpoint
+from pt_models import FaultAt
 
 N_MB, BATCH, LR, EPOCHS = 8, 6, 0.1, 2
 SIZES = (4, 5, 3)
@@ -160,3 +162,23 @@ def test_bad_arguments_are_one_line_errors(kw: dict, message: str) -> None:
     with pytest.raises(ValueError) as e:
         train(**kw)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def faulty(how: str) -> torch.nn.Sequential:
+    """The exactness model with a layer that fails on worker 1's 3rd forward."""
+    return torch.nn.Sequential(FaultAt(3, how, rank=1), *model())
+
+
+@pytest.mark.parametrize("strategy", ["pipe-sgd", "ddp"])
+def test_a_dead_worker_is_named_and_nothing_hangs(strategy: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(pipetrain.PipetrainError, match="worker 1 died with exit code 3"):
+        train(strategy, net=faulty("die"), timeout=10)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_silent_worker_fails_the_sync_within_the_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(pipetrain.PipetrainError, match="did not finish within 3s: a worker died or went silent"):
+        train(net=faulty("hang"), timeout=3)
+    assert time.monotonic() - t0 < 30

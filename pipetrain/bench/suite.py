@@ -521,26 +521,30 @@ def _config(plan: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    """Bars of samples/s (with the slowest-stage bound) and bytes per sample per worker, per system."""
+    """Bars of samples/s (with the slowest-stage bound when a pipeline ran) and bytes per sample per
+    worker, per system; pipetrain's in blue."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cfg = report["config"]
     names = list(report["samples_per_s"])
-    colours = ["#4c72b0" if n in SYSTEMS[:4] else "#dd8452" for n in names]
+    pipelines = SYSTEMS[:4]
+    colours = ["#4c72b0" if n in (*pipelines, *PIPE_SGD) else "#dd8452" for n in names]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), sharey=True)
     y = range(len(names))
     rates = [report["samples_per_s"][n] for n in names]
     ax1.barh(y, rates, color=colours)
     for i, v in enumerate(rates):
         ax1.text(v, i, f" {v:.0f}", va="center", fontsize=8)
-    ax1.axvline(report["bound_samples_per_s"], color="k", ls="--", lw=1)
-    ax1.text(report["bound_samples_per_s"], len(names) - 0.4, " slowest-stage bound", fontsize=8)
+    bound = report["bound_samples_per_s"] if any(n in pipelines for n in names) else 0.0
+    if bound:
+        ax1.axvline(bound, color="k", ls="--", lw=1)
+        ax1.text(bound, len(names) - 0.4, " slowest-stage bound", fontsize=8)
     ax1.set_yticks(list(y), [f"{n} (x{report['microbatches'][n]})" if n in MICROBATCHED else n for n in names])
     ax1.invert_yaxis()
     ax1.set_xlabel("samples/s (higher is better)")
-    ax1.set_xlim(0, max(max(rates), report["bound_samples_per_s"]) * 1.2)
+    ax1.set_xlim(0, max(max(rates), bound) * 1.2)
     sizes = [report["bytes_per_sample"][n] for n in names]
     ax2.barh(y, sizes, color=colours)
     ax2.set_xscale("log")

@@ -15,7 +15,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from pipetrain.layers import LayeredModel, check_boundaries
-from pipetrain.registry import SCHEDULES, STRATEGIES, StrategySpec, build_data_parallel, build_schedule, lookup
+from pipetrain.registry import (
+    DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, StrategySpec, build_data_parallel, build_schedule, lookup,
+)
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.transport import Transport
@@ -107,7 +109,7 @@ class JobConfig:
                 raise ValueError(f"{option} applies to strategy {' or '.join(map(repr, takes))}, not "
                                  f"{self.strategy!r}; leave it out or change the strategy")
         if "schedule" in spec.options:
-            self.schedule = self.schedule or "pipedream"
+            self.schedule = self.schedule or DEFAULT_SCHEDULE
         if spec.stale:
             self.staleness = 2 if self.staleness is None else self.staleness
 

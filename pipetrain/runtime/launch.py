@@ -127,12 +127,19 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[i
                 p.join(10)
 
 
+# What a worker says when a peer is gone: ours, and gloo's for a closed connection.
+_COMPLAINTS = ("went silent", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[int], str]) -> str:
-    """The message of the most telling failure: a worker's own error beats a neighbour's complaint."""
-    messages = {}
+    """The message of the most telling failure: a worker's own error, then a worker that died
+    without one (killed, crashed), then a neighbour's complaint about a lost peer."""
+    messages, rank = {}, {}
     for r in failed:
         f = Path(workdir) / f"error{r}.txt"
-        messages[r] = f.read_text().splitlines()[0] if f.exists() else \
-            f"{describe(r)} died with exit code {procs[r].exitcode}"
-    own = [r for r in failed if "went silent" not in messages[r]]
-    return messages[(own or failed)[0]]
+        if f.exists():
+            messages[r] = f.read_text().splitlines()[0]
+            rank[r] = 2 if any(c in messages[r] for c in _COMPLAINTS) else 0
+        else:
+            messages[r], rank[r] = f"{describe(r)} died with exit code {procs[r].exitcode}", 1
+    return messages[min(failed, key=lambda r: (rank[r], r))]

@@ -100,11 +100,11 @@ class RingSync(GradSync):
                 if self._error is not None:
                     first = str(self._error).strip().splitlines()[0][:200] if str(self._error).strip() else ""
                     raise SyncError(f"the gradient allreduce of minibatch {mb} failed ({type(self._error).__name__}"
-                                    f"{': ' + first if first else ''}); a peer died or closed its connection")
+                                    f"{': ' + first if first else ''}): a worker died or went silent")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SyncError(f"the gradient allreduce of minibatch {mb} did not finish within "
-                                    f"{self.timeout:g}s; a worker died or went silent")
+                                    f"{self.timeout:g}s: a worker died or went silent")
                 self._cond.wait(min(left, 1.0))
             buf, event = self._done.pop(mb)
         if event is not None:
