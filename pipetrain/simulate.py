@@ -326,7 +326,7 @@ def _minibatches_per_s(schedule: Schedule, update_end: list[list[float]], last_b
     """
     last = schedule.num_stages - 1
     w = schedule.first_worker(last)
-    drained = sum(t > last_backward[w] for t in update_end[w])
+    drained = sum(t >= last_backward[w] for t in update_end[w])
     steps = update_end[w][:len(update_end[w]) - max(0, drained - 1)]
     if len(steps) >= 2 and steps[-1] > steps[0]:
         # one step of a replicated stage applies the minibatches of all its replicas (of a sharded

@@ -1,6 +1,7 @@
 """Bad input gets a one-line error before any process starts; dead or silent peers fail, never hang."""
 import functools
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +82,62 @@ def test_silent_peer_times_out_and_is_named():
     with pytest.raises(pipetrain.PipetrainError, match=r"stage 1 \(rank 1\) went silent: nothing for 3s"):
         train(model=with_fault(FaultAt(3, "hang")), stages=[0, 2, 5, 7], timeout=3)
     assert time.monotonic() - t0 < 30  # and no process is left: spawn() kills them before raising
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc's parent links)."""
+    import os
+    parent = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found.update(kids)
+        todo += kids
+    return found
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "pipe-sgd"])
+def test_killing_the_caller_leaves_no_process_behind(strategy):
+    """SIGKILL the process that called train: its workers and the fork server are gone within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs /proc")
+    layout = "stages=[0, 2, 4, 6]" if strategy == "pipeline" else "workers=2"
+    code = ("import functools, torch, pipetrain, sys; sys.path.insert(0, 'tests'); from pt_models import mlp; "
+            "from pipetrain.data import regression\n"
+            "if __name__ == '__main__':\n"
+            f"    pipetrain.train(mlp(), regression(4096, 4, 3), strategy={strategy!r}, {layout}, "
+            "loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=0.01), "
+            "batch_size=4, epochs=1000, timeout=60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 60
+    while len(_descendants(proc.pid)) < 3 and time.monotonic() < deadline:  # fork server, workers
+        time.sleep(0.2)
+    below = _descendants(proc.pid)
+    assert len(below) >= 3, "the workers never started"
+    time.sleep(1.0)  # training
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") and _alive(p) for p in below) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in below if os.path.exists(f"/proc/{p}") and _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

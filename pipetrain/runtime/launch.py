@@ -40,14 +40,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this worker when the process that spawned it dies (even by SIGKILL), so a
-    killed job leaves no workers behind; elsewhere the workers' own timeouts end them."""
+def _die_with_caller(caller: int) -> None:
+    """End this worker when the process that called ``spawn`` dies (even by SIGKILL), so a killed job
+    leaves no workers behind; elsewhere than Linux the workers' own timeouts end them.
+
+    [Note: orphans] A worker's parent is the fork server, not the caller, and every worker holds the
+    fork server's "caller alive" pipe open (multiprocessing passes it on so workers could start
+    processes of their own), so the fork server outlives a killed caller while workers run. So a
+    thread waits on a pidfd of the caller and ends the worker when it exits; then the fork server sees
+    the pipe close and exits too. The parent-death signal covers the fork server itself dying.
+    """
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        fd = os.pidfd_open(caller)
     except (OSError, AttributeError):
-        pass
+        return
+    import select
+    import threading
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the caller has exited
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="pipetrain-caller-watch").start()
 
 
 def keep_freed_memory() -> None:
@@ -70,8 +85,8 @@ def keep_freed_memory() -> None:
         pass
 
 
-def _child(rank: int, world: int, port: int, workdir: str, payload: bytes) -> None:
-    _die_with_parent()
+def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, caller: int) -> None:
+    _die_with_caller(caller)
     keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1")
@@ -105,7 +120,7 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[i
     # copy of the weights. Plain pickle gives each worker its own copy.
     payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
-        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, payload), daemon=False)
+        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, payload, os.getpid()), daemon=False)
                  for r in range(world)]
         for p in procs:
             p.start()
