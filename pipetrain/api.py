@@ -128,14 +128,13 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
                     warmup_epochs=warmup_epochs, batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
                     checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir), resume=resume,
                     keep_checkpoints=keep_checkpoints, timeout=timeout, trace=bool(trace), progress=progress)
-    cfg = JobConfig(**settings, threads=1)  # every check that needs no plan, before any profiling
+    cfg = JobConfig(**settings)  # every check that needs no plan, before any profiling
     if not cfg.data_parallel:
         layers = LayeredModel(model)
         chosen = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, batch_size, bandwidth,
                                _threads(threads, workers or 1), timeout)
-        settings.update(boundaries=chosen.boundaries if chosen else _boundaries(stages),
-                        replicas=chosen.replicas if chosen else None)
-    cfg = JobConfig(**settings, threads=1)
+        cfg = JobConfig(**{**settings, "boundaries": chosen.boundaries if chosen else _boundaries(stages),
+                           "replicas": chosen.replicas if chosen else None})
     cfg.threads = _threads(threads, cfg.world)
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != cfg.world:
         job = f"strategy {strategy!r} with workers={cfg.world}" if cfg.data_parallel else f"stages={cfg.boundaries}"
@@ -247,9 +246,9 @@ def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int],
         raise PipetrainError(f"no stage returned {sorted(missing)[:3]}; those tensors are not used in "
                              "forward, so no stage owns them")
     full.load_state_dict(state)
-    same = [p["rank"] for p in parts if not p["state"] and p["digest"] != parts[0]["digest"]]
-    if same:
-        raise PipetrainError(f"{name(same[0])} ended with weights that differ from {name(0)}'s; data-parallel "
+    differ = [p["rank"] for p in parts if not p["state"] and p["digest"] != parts[0]["digest"]]
+    if differ:
+        raise PipetrainError(f"{name(differ[0])} ended with weights that differ from {name(0)}'s; data-parallel "
                              "workers must stay identical (please report this)")
     history = sorted((h for part in parts for h in part["history"]), key=lambda h: h["step"])
     speed = 0.0

@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 
-from pipetrain.bench.suite import SYSTEMS, TARGETS, SuiteConfig, _counts, format_table, plot
+from pipetrain.bench.suite import SYSTEMS, TARGETS, SuiteConfig, _counts, format_table
 from pipetrain.cli import main
 from pipetrain.zoo import SPECS
 

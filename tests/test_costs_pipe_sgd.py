@@ -13,7 +13,7 @@ from pipetrain.cli import main
 from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.registry import build_data_parallel
 from pipetrain.schedule import validate
-from pipetrain.simulate import Link, predict_data_parallel, simulate
+from pipetrain.simulate import Link, predict_data_parallel
 
 
 def test_equations_2_to_7_by_hand() -> None:

@@ -340,7 +340,7 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
         sync.close()
     transport.close()
     state = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
-    result = {"rank": rank, "digest": _digest(state),
+    result = {"rank": rank, "digest": _digest(state) if cfg.data_parallel else None,
               # data parallelism: every worker holds the same model; rank 0's comes back, the others' digests
               "state": state if not cfg.data_parallel or rank == 0 else {},
               "history": [asdict(h) for h in worker.history] if cfg.reporter(rank) else [],
