@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import torch
 from torch.utils.data import default_collate
@@ -13,7 +14,7 @@ from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
-from pipetrain.simulate import Link, predict_data_parallel, simulate
+from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
 
@@ -68,6 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compression", default=None, help="pipe-sgd: none | trunc16 | quant8")
     p.add_argument("--update-s", type=float, default=0.0,
                    help="seconds per optimizer step (the profile does not time it; default 0)")
+    p.add_argument("--chunk", type=int, default=1, help="cgdp: layers per chunk (default 1)")
+    p.add_argument("--sync-latency", type=float, default=1e-4,
+                   help="cgdp: seconds of one signal among a machine's workers (default 1e-4, a 1-float gloo "
+                        "allreduce on loopback); host copy and sum rates are measured here")
     p.add_argument("--png", help="write the timeline picture here")
     p.add_argument("--trace-json", help="write a Chrome trace here (open in ui.perfetto.dev)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -178,11 +183,13 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
 
 def _simulate_data_parallel(args: argparse.Namespace) -> None:
-    """``--strategy ddp|pipe-sgd``: Pipe-SGD's timing models (eq. 2-7) beside a simulated run."""
+    """``--strategy ddp|pipe-sgd|cgdp``: the papers' timing models beside a simulated run."""
     if not args.workers or args.plan or args.stages or args.straight or args.microbatches != 1:
         raise ValueError(f"--strategy {args.strategy} takes --workers N (each worker holds the whole model), "
                          "not --plan, --stages, --straight or --microbatches")
     profile = Profile.load(args.profile)
+    if args.strategy == "cgdp":
+        return _simulate_cgdp(args, profile)
     link = Link(parse_bandwidth(args.bandwidth), args.latency)
     result = predict_data_parallel(profile, args.strategy, args.workers, link, batch_size=args.batch_size,
                                    staleness=args.staleness, compression=args.compression, update_s=args.update_s,
@@ -207,3 +214,28 @@ def _simulate_data_parallel(args: argparse.Namespace) -> None:
           f"scaling efficiency {result.scaling_efficiency:.2f} (Pipe-SGD eq. 7)")
     for path in filter(None, (args.png, args.trace_json)):
         print(f"wrote {path}")
+
+
+def _simulate_cgdp(args: argparse.Namespace, profile: Profile) -> None:
+    """CGDP's cost model (§3.2, eq. 1-2) at ``--chunk``, with host costs measured on this machine and
+    this machine's cores shared by the workers."""
+    from pipetrain.strategies.cgdp import measure_host_costs
+
+    if args.staleness is not None or args.compression is not None:
+        raise ValueError("--staleness and --compression apply to --strategy pipe-sgd, not cgdp")
+    if args.chunk < 1:
+        raise ValueError(f"--chunk {args.chunk}: give the layers per chunk, at least 1")
+    host = measure_host_costs(min(sum(x.parameter_bytes for x in profile.layers) // 4, 1 << 24), args.workers)
+    result = predict_cgdp(profile, args.workers, args.chunk, batch_size=args.batch_size, update_s=args.update_s,
+                          signal_s=args.sync_latency, cores_per_worker=(os.cpu_count() or 1) / args.workers,
+                          minibatches=args.minibatches or 16, **host)
+    if args.json:
+        print(json.dumps({"strategy": "cgdp", "workers": args.workers, "chunk": args.chunk,
+                          "batch_size": args.batch_size or profile.batch_size, **host, "sync_latency_s": args.sync_latency,
+                          **result.to_dict()}))
+        return
+    print(f"cgdp, {args.workers} workers, chunk {args.chunk} ({len(result.chunks)} chunks): {result.samples_per_s:.1f} "
+          f"samples/s, {result.iteration_s * 1e3:.1f} ms per iteration")
+    print(f"backward {result.plain_backward_s * 1e3:.1f} ms alone, {result.backward_s * 1e3:.1f} ms with the host sums "
+          f"(eq. 1): overhead {result.overhead_s * 1e3:.2f} ms (eq. 2: {result.overhead_eq2_s * 1e3:.2f} ms); data "
+          f"parallelism's {result.dp_overhead_s * 1e3:.2f} ms; CGDP {'wins' if result.wins else 'does not win'} (§3.2)")

@@ -39,8 +39,9 @@ class TrainResult:
         bytes_sent: per rank, tensor bytes it sent to other workers (activations, gradients, and its
             share of an allreduce: counted for pipe-sgd's ring, estimated as a ring's 2(r-1)/r of the
             gradient for a replicated stage and DDP).
-        ring_seconds: per rank, how long each of pipe-sgd's ring allreduces took on its communication
-            thread (empty for other strategies).
+        sync_stats: per rank, what its gradient synchronizer measured or decided: pipe-sgd's
+            ``ring_seconds`` (each ring allreduce on the communication thread), cgdp's ``chunks``
+            (the chunk size of every iteration) and ``search`` (the run-time chunk search).
         started: ``time.perf_counter()`` when ``train`` was called; on one machine it shares the clock
             of the history's ``time`` (so ``h["time"] - started`` is wall time since the call).
     """
@@ -53,7 +54,7 @@ class TrainResult:
     predicted_samples_per_s: float | None = None
     started: float = 0.0
     bytes_sent: list[int] = field(default_factory=list)
-    ring_seconds: list[list[float]] = field(default_factory=list)
+    sync_stats: list[dict[str, Any]] = field(default_factory=list)
 
 
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -61,7 +62,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           stages: Sequence[int] | Plan | str | os.PathLike | None = None, workers: int | None = None,
           bandwidth: float | str = "10Gbit", schedule: str | None = None, vertical_sync: bool = False,
           microbatches: int = 1, staleness: int | None = None, compression: str | None = None,
-          warmup_epochs: int = 0, batch_size: int = 32, epochs: int = 1, shuffle: bool = True, seed: int = 0,
+          warmup_epochs: int = 0, chunk: int | str | None = None, batch_size: int = 32, epochs: int = 1, shuffle: bool = True, seed: int = 0,
           checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
           keep_checkpoints: int | None = 2, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False,
@@ -75,8 +76,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         loss_fn: ``loss_fn(output, target)`` of a minibatch; mean-reduced for microbatching and sharding.
         optimizer: a factory taking parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
         strategy: ``"pipeline"`` (stages on workers, run by ``schedule``), ``"ddp"`` (PyTorch
-            DistributedDataParallel) or ``"pipe-sgd"`` (Pipe-SGD: the allreduce of minibatch t overlaps
-            the compute of the next K-1, in a ring that may compress); see :data:`pipetrain.registry.STRATEGIES`.
+            DistributedDataParallel), ``"pipe-sgd"`` (Pipe-SGD: the allreduce of minibatch t overlaps
+            the compute of the next K-1, in a ring that may compress) or ``"cgdp"`` (CPU-GPU data
+            parallel: chunks of layers summed in shared host memory while the backward goes on); see
+            :data:`pipetrain.registry.STRATEGIES`.
         stages: pipeline: the first layer index of each stage (one worker each); or a ``Plan``, or a plan
             JSON path (``pipetrain plan -o``), which may replicate stages; or ``"auto"``: profile the
             model on the first minibatch and plan for ``workers`` at ``bandwidth`` (PipeDream §3.2).
@@ -93,6 +96,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         compression: pipe-sgd: ``None``, ``"trunc16"`` (upper 16 bits of each float32) or ``"quant8"``
             (8 bits with a scale per group), applied inside the ring allreduce; float32 models only.
         warmup_epochs: pipe-sgd: the first epochs run with K = 1.
+        chunk: cgdp: layers per chunk (their gradients go to host memory together), or ``"auto"``
+            (default): the paper's run-time search (:class:`pipetrain.strategies.ChunkSearch`).
         batch_size: samples per minibatch (one optimizer update of the whole job).
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
@@ -125,7 +130,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     settings = dict(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=strategy,
                     boundaries=boundaries, replicas=replicas, schedule=schedule, vertical_sync=vertical_sync,
                     microbatches=microbatches, staleness=staleness, compression=compression,
-                    warmup_epochs=warmup_epochs, batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
+                    warmup_epochs=warmup_epochs, chunk=chunk, batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
                     checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir), resume=resume,
                     keep_checkpoints=keep_checkpoints, timeout=timeout, trace=bool(trace), progress=progress)
     cfg = JobConfig(**settings)  # every check that needs no plan, before any profiling
@@ -257,4 +262,4 @@ def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int],
         speed = sum(h["samples"] for h in history[1:]) / (history[-1]["time"] - history[0]["time"])
     return TrainResult(full, history, speed, [part["trace"] for part in parts],
                        bytes_sent=[part["bytes_sent"] for part in parts],
-                       ring_seconds=[part["ring_seconds"] for part in parts])
+                       sync_stats=[part["sync_stats"] for part in parts])

@@ -55,6 +55,11 @@ def _optimizer(args: argparse.Namespace) -> Callable[..., torch.optim.Optimizer]
     return functools.partial(OPTIMIZERS[args.optimizer], **kw)
 
 
+def _chunk(text: str) -> int | str:
+    """``--chunk``: ``auto`` or an integer (checked by the job)."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text.strip()
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -75,6 +80,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", default=None,
                    help=f"pipe-sgd: {' | '.join(CODECS)}, applied inside the ring allreduce (float32 models)")
     p.add_argument("--warmup-epochs", type=int, default=0, help="pipe-sgd: run the first epochs with K = 1")
+    p.add_argument("--chunk", default=None, type=_chunk,
+                   help="cgdp: layers per chunk, or auto (default: the run-time search)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     p.add_argument("--lr", type=float, default=0.05)
@@ -96,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         stages=_ints(args.stages) if args.stages else args.plan, workers=args.workers,
         bandwidth=args.bandwidth, schedule=args.schedule, vertical_sync=args.vertical_sync,
         microbatches=args.microbatches, staleness=args.staleness, compression=args.compression,
-        warmup_epochs=args.warmup_epochs, batch_size=args.batch_size, epochs=args.epochs,
+        warmup_epochs=args.warmup_epochs, chunk=args.chunk, batch_size=args.batch_size, epochs=args.epochs,
         shuffle=not args.no_shuffle, seed=args.seed, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         timeout=args.timeout, trace=args.trace or False, progress=True)
     last = result.history[-1] if result.history else {"loss": float("nan")}

@@ -178,3 +178,59 @@ def scaling_efficiency(update_s: Num, compute_s: Num, comm_s: Num) -> Num:
     """Eq. 7: actual over ideal speedup of Pipe-SGD on p workers at the single node's per-worker batch:
     ``SE = (l_up + l_comp) / max(l_up + l_comp, l_comm)``; 1 once compute bound."""
     return (update_s + compute_s) / np.maximum(update_s + compute_s, comm_s)
+
+
+# -- CGDP: Le et al., "Involving CPUs into Multi-GPU Deep Learning", ICPE'18, §3.2. Units are layers
+# with parameters, or chunks of them (§4.1), in backward order: unit 0 is the model's last, whose
+# gradient exists first. Per unit: t_bp the backward seconds until its gradient exists (after the
+# previous unit's), t_as the synchronisation before it is sent, t_aa the accumulation on the host
+# (copy in and sum), t_bc the copy of the sum back.
+
+def cgdp_unit_times(bp_s: list[float], as_s: list[float], aa_s: list[float], bc_s: list[float],
+                    serial: bool = False) -> list[float]:
+    """Eq. 1: T_BP^i = sum over units up to i of (t_bp + t_as), + t_aa^i + t_bc^i: when unit i's summed
+    gradient is back on the worker, counted from the start of the backward.
+
+    The paper's host accumulates different layers in parallel (§3.2: "t_aa of different layers are
+    overlapped"); ``serial=True`` instead queues each unit's t_aa behind the previous unit's, as
+    pipetrain's one summing thread per worker does (a departure, ours)."""
+    out, clock, free = [], 0.0, 0.0
+    for bp, sync, aa, bc in zip(bp_s, as_s, aa_s, bc_s):
+        clock += bp + sync
+        free = (max(clock, free) if serial else clock) + aa
+        out.append(free + bc)
+    return out
+
+
+def cgdp_backward_s(bp_s: list[float], as_s: list[float], aa_s: list[float], bc_s: list[float],
+                    tail_s: float = 0.0, serial: bool = False) -> float:
+    """Eq. 1: T = max_i T_BP^i, the backward of CGDP with its gradients back. ``tail_s`` is backward
+    time after the first layer with parameters (layers without any, before it in forward order), which
+    the paper's layer list leaves out; the backward cannot end before it. ``serial``: see
+    :func:`cgdp_unit_times`."""
+    return max([*cgdp_unit_times(bp_s, as_s, aa_s, bc_s, serial), sum(bp_s) + sum(as_s) + tail_s])
+
+
+def cgdp_overhead_s(bp_s: list[float], as_s: list[float], aa_s: list[float], bc_s: list[float],
+                    tail_s: float = 0.0, serial: bool = False) -> float:
+    """T_O = T - T_BP, T_BP the plain backward (sum of t_bp): the seconds CGDP adds per iteration. Eq. 2,
+    T_O = sum t_as + t_aa^1 + t_bc^1, is the same when every unit but the last one's accumulation
+    overlaps the backward of the next (:func:`cgdp_overhead_eq2`); this is the exact max of eq. 1."""
+    return cgdp_backward_s(bp_s, as_s, aa_s, bc_s, tail_s, serial) - sum(bp_s) - tail_s
+
+
+def cgdp_overhead_eq2(as_s: list[float], aa_s: list[float], bc_s: list[float]) -> float:
+    """Eq. 2: T_O = sum_i t_as^i + t_aa^1 + t_bc^1 (layer 1, the last of the backward, is our last unit)."""
+    return sum(as_s) + aa_s[-1] + bc_s[-1]
+
+
+def dp_overhead_s(aa_s: list[float], bc_s: list[float]) -> float:
+    """§3.2: T'_O = sum_i (t_aa^i + t_bc^i), data parallelism accumulating and broadcasting every layer's
+    gradient after the backward."""
+    return sum(aa_s) + sum(bc_s)
+
+
+def cgdp_wins(as_s: list[float], aa_s: list[float], bc_s: list[float]) -> bool:
+    """§3.2's condition for CGDP to beat data parallelism: sum_i t_as^i < sum_{i=l..2} (t_aa^i + t_bc^i),
+    every unit's synchronisation against the accumulation and broadcast of all but the last unit."""
+    return sum(as_s) < sum(aa_s[:-1]) + sum(bc_s[:-1])

@@ -17,6 +17,7 @@ from pipetrain.schedule import generators as gen
 from pipetrain.schedule.actions import Schedule
 from pipetrain.strategies.allreduce import replica_groups
 from pipetrain.strategies.base import GradSync, SyncContext
+from pipetrain.strategies.cgdp import cgdp
 from pipetrain.strategies.ddp import ddp
 from pipetrain.strategies.pipesgd import pipe_sgd
 
@@ -98,6 +99,9 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("pipe-sgd", data_parallel=True, options=("staleness", "compression", "warmup_epochs"),
                  compresses=True, stale=True, synchronizer=pipe_sgd,
                  summary="Pipe-SGD: the allreduce of minibatch t overlaps the compute of t+1..t+K-1"),
+    StrategySpec("cgdp", data_parallel=True, options=("chunk",), compresses=False, stale=False, synchronizer=cgdp,
+                 summary="CPU-GPU data parallel: chunks of layers summed in shared host memory during the "
+                         "backward (one machine, or hierarchical)"),
 )}
 
 

@@ -36,8 +36,10 @@ def test_bench_json_has_every_system(capsys: pytest.CaptureFixture[str], tmp_pat
     assert report["split"]["source"].startswith("pipedream's automatic plan")
     # the pipelines send one cut's activations and gradients; DDP the whole gradient
     assert report["bytes_per_sample"]["ddp"] > report["bytes_per_sample"]["pipedream"]
-    # every target but the predictions', which need a link to predict for (loopback has none)
-    assert report["bound_samples_per_s"] > 0 and set(report["targets"]) == set(TARGETS) - {"prediction_error"}
+    # every target but the predictions' (they need a link to predict for; loopback has none) and cgdp's
+    # (an extra system)
+    assert report["bound_samples_per_s"] > 0 and set(report["targets"]) == set(TARGETS) - {"prediction_error",
+                                                                                            "cgdp_vs_ddp"}
     assert {"F", "B", "U"} <= {k for rank in report["pipedream"]["seconds_per_minibatch"] for k in rank}
     assert png.stat().st_size > 0
     assert "torch-1f1b" in format_table(report)
@@ -54,6 +56,18 @@ def test_ps_sync_runs_beside_ddp_with_one_more_process(capsys: pytest.CaptureFix
     assert report["bytes_per_sample_per_rank"] == {"ddp": [grad, grad], "ps-sync": [grad, grad, 2 * grad]}
     assert report["bytes_per_sample"] == {"ddp": grad, "ps-sync": 2 * grad}
     assert "ps-sync: 2 workers and a parameter server (rank 2" in format_table(report)
+
+
+def test_cgdp_is_timed_after_its_chunk_search(capsys: pytest.CaptureFixture[str]) -> None:
+    """mnist-mlp has 3 layers with parameters: the search judges chunks 1..4 over 40 iterations."""
+    assert main(["bench", *TINY, "--loopback", "--systems", "ddp,cgdp", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["samples_per_s"]) == {"ddp", "cgdp"} and not report["errors"]
+    assert report["bytes_per_sample"]["cgdp"] == 0  # shared memory: nothing crosses a link
+    # 41 warm-up steps (the search's 40 and the first, not timed), 1 timed, 1 left out: 42 times recorded
+    assert report["cgdp"]["search"]["done"] and report["cgdp"]["search"]["iterations"] == 42
+    assert report["cgdp"]["chunks"][-1] == report["cgdp"]["search"]["best"]
+    assert "cgdp_vs_ddp" in report["targets"]
 
 
 def test_microbatch_counts_and_bad_config() -> None:

@@ -136,7 +136,7 @@ def test_compressed_ring_trains_and_really_compresses(codec: str) -> None:
     assert any((a - b).abs().max() > 0 for a, b in zip(plain.model.parameters(), packed.model.parameters()))
     # 4,099 parameters, 2 workers: float32 blocks of 2,050; trunc16 halves them, quant8 pads to 3,072 one-byte values
     assert packed.bytes_sent[0] < (0.6 if codec == "trunc16" else 0.4) * plain.bytes_sent[0]
-    assert len(packed.ring_seconds[0]) == 3 * N_MB
+    assert len(packed.sync_stats[0]["ring_seconds"]) == 3 * N_MB
 
 
 BAD = [

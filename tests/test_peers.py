@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from pipetrain.bench.peers import PeerConfig, ddp, ps_sync, summarize, torch_pipeline
+from pipetrain.bench.peers import PeerConfig, ddp, no_sync, ps_sync, summarize, torch_pipeline
 from pipetrain.runtime.launch import PipetrainError, spawn
 
 # mnist-mlp at 784-16-16-10: 13,002 parameters. Layers: Flatten, Linear, ReLU, Linear, ReLU, Linear.
@@ -92,6 +92,13 @@ def test_ps_sync_is_minibatch_sgd() -> None:
     # guard: the comparison can tell the rules apart (SGD on worker 0's shard alone lands elsewhere)
     alone = sgd_on_the_concatenated_shards(TINY, 2, [0])
     assert (alone - expected).abs().max() > 100 * 1e-6
+
+
+def test_no_sync_trains_each_shard_alone() -> None:
+    results = spawn(no_sync, 2, (TINY,))
+    check_sane(results, TINY)
+    assert [r["counted_bytes_per_sample"] for r in results] == [0.0, 0.0]
+    assert results[0]["runner"] == "no-sync"
 
 
 def test_bad_arguments_fail_with_one_line() -> None:

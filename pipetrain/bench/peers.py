@@ -105,28 +105,49 @@ def ddp(cfg: PeerConfig, fp16: bool = False) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = _init(cfg)
-    if cfg.batch_size % world:
-        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the {world} data-parallel workers")
-    local = cfg.batch_size // world
     model = DistributedDataParallel(cfg.build())
     if fp16:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    batches = _batches(cfg, local, seed=cfg.seed + 1 + rank)
-    loss = torch.zeros(())
-
-    def step(i: int) -> None:
-        nonlocal loss
-        x, y = batches[i % len(batches)]
-        opt.zero_grad()
-        loss = cfg.spec.loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-
+    step, last_loss = _shard_sgd(cfg, model, rank, world)
     grad_bytes = sum(p.numel() * (2 if fp16 else p.element_size()) for p in model.parameters() if p.requires_grad)
     counted = 2 * (world - 1) / world * grad_bytes / cfg.batch_size
     out = _measure(cfg, step, counted, list(model.parameters()))
-    out.update(runner="ddp-fp16" if fp16 else "ddp", loss=float(loss.detach()), grad_bytes=grad_bytes)
+    out.update(runner="ddp-fp16" if fp16 else "ddp", loss=last_loss(), grad_bytes=grad_bytes)
+    return _finish(out)
+
+
+def _shard_sgd(cfg: PeerConfig, model: nn.Module, rank: int, world: int) -> tuple[Callable[[int], None],
+                                                                                 Callable[[], float]]:
+    """A data-parallel worker's SGD step on its ``batch_size / world`` shard, and its last loss.
+
+    Raises:
+        ValueError: ``batch_size`` is not divisible by the world size.
+    """
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the {world} data-parallel workers")
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    batches = _batches(cfg, cfg.batch_size // world, seed=cfg.seed + 1 + rank)
+    loss = [torch.zeros(())]
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        loss[0] = cfg.spec.loss_fn(model(x), y)
+        loss[0].backward()
+        opt.step()
+    return step, lambda: float(loss[0].detach())
+
+
+def no_sync(cfg: PeerConfig) -> dict[str, Any]:
+    """One rank training its ``batch_size / M`` shard with no gradient sync at all: a data-parallel
+    worker's work with the machine shared as in a real job, but nothing exchanged. Subtracted from a
+    data-parallel system's step time, it leaves the synchronisation's cost without the CPU contention
+    between workers (the group only closes the timed windows). Counted bytes: 0."""
+    rank, world = _init(cfg)
+    model = cfg.build()
+    step, last_loss = _shard_sgd(cfg, model, rank, world)
+    out = _measure(cfg, step, 0.0, list(model.parameters()))
+    out.update(runner="no-sync", loss=last_loss())
     return _finish(out)
 
 
@@ -311,7 +332,9 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
         The keys :func:`_measure` returns (counted bytes: ``result.bytes_sent`` of this rank over every
         sample trained; interface bytes: the tx counter, sampled by a thread and read at the first and
         last window edge), and ``stages``, ``replicas``, ``plan``, ``predicted_samples_per_s`` (None
-        for data parallelism), ``ring_s`` (pipe-sgd: the median seconds of its ring allreduces).
+        for data parallelism), ``ring_s`` (pipe-sgd: the median seconds of its ring allreduces),
+        ``chunks`` and ``search`` (cgdp: the chunk size of every iteration and the search's outcome;
+        with ``chunk="auto"`` the warm-up lasts until the search is surely over).
     """
     import pipetrain
 
@@ -320,6 +343,11 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
     # caller needs the history on every rank, so drop the mark before train reads it.
     os.environ.pop("PIPETRAIN_SPAWNED", None)
     warmup = max(1, cfg.warmup)
+    if options.get("strategy") == "cgdp" and options.get("chunk", "auto") == "auto":
+        # the windows come after the run-time chunk search (it skips the first iteration)
+        from pipetrain.strategies.cgdp import layer_parameters
+        from pipetrain.strategies.chunks import search_length
+        warmup = max(warmup, search_length(len(layer_parameters(cfg.build()))) + 1)
     steps = warmup + cfg.windows * cfg.steps_per_window + 1
     data = cfg.spec.dataset(steps * cfg.batch_size, seed=cfg.seed + 1)
     iface = cfg.iface or os.environ.get("GLOO_SOCKET_IFNAME")
@@ -355,7 +383,8 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
         "replicas": result.plan.replicas if result.plan else None if stages is None else [1] * len(stages),
         "plan": result.plan.to_dict() if result.plan else None,
         "predicted_samples_per_s": result.predicted_samples_per_s,
-        "ring_s": statistics.median(result.ring_seconds[rank]) if result.ring_seconds[rank] else None,
+        "ring_s": statistics.median(rings) if (rings := result.sync_stats[rank].get("ring_seconds")) else None,
+        "chunks": result.sync_stats[rank].get("chunks"), "search": result.sync_stats[rank].get("search"),
     }
     if trace:
         out["breakdown"] = [_breakdown(t, edges[0], edges[-1], cfg.windows * spw) for t in result.traces]
@@ -555,6 +584,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "samples_per_s": first["samples_per_s"], "window_samples_per_s": first["window_samples_per_s"],
         "counted_bytes_per_sample": [r["counted_bytes_per_sample"] for r in results],
         "iface_bytes_per_sample": [r["iface_bytes_per_sample"] for r in results],
-        **{k: first[k] for k in ("stages", "replicas", "plan", "predicted_samples_per_s", "breakdown", "ring_s")
+        **{k: first[k] for k in ("stages", "replicas", "plan", "predicted_samples_per_s", "breakdown", "ring_s",
+                                 "chunks", "search")
            if k in first},
     }

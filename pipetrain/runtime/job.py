@@ -25,6 +25,7 @@ from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, epoch_order, per_epoch
 from pipetrain.schedule import Schedule, warmup
 from pipetrain.strategies.base import SyncContext
+from pipetrain.strategies.cgdp import HOST_MEMORY, host_bytes
 from pipetrain.strategies.compression import get_codec
 
 
@@ -43,6 +44,7 @@ class JobConfig:
         replicas: workers per stage; data parallelism: ``[workers]``.
         schedule, vertical_sync, microbatches: pipeline options.
         staleness, warmup_epochs, compression: data-parallel options (Pipe-SGD).
+        chunk: CGDP's layers per chunk, or ``"auto"`` (the run-time search).
         batch_size: samples per optimizer update of the whole job (data parallelism splits it into
             one equal shard per worker).
         epochs, shuffle, seed, checkpoint_dir, resume, keep_checkpoints, timeout, threads, trace,
@@ -62,6 +64,7 @@ class JobConfig:
     staleness: int | None = None
     warmup_epochs: int = 0
     compression: str | None = None
+    chunk: int | str | None = None
     batch_size: int = 32
     epochs: int = 1
     shuffle: bool = True
@@ -102,7 +105,7 @@ class JobConfig:
         given = {"stages": self.boundaries is not None, "schedule": self.schedule is not None,
                  "vertical_sync": self.vertical_sync, "microbatches": self.microbatches != 1,
                  "staleness": self.staleness is not None, "compression": self.compression is not None,
-                 "warmup_epochs": self.warmup_epochs != 0}
+                 "warmup_epochs": self.warmup_epochs != 0, "chunk": self.chunk is not None}
         for option, is_given in given.items():
             if is_given and option not in spec.options:
                 takes = [s.name for s in STRATEGIES.values() if option in s.options]
@@ -112,6 +115,8 @@ class JobConfig:
             self.schedule = self.schedule or DEFAULT_SCHEDULE
         if spec.stale:
             self.staleness = 2 if self.staleness is None else self.staleness
+        if "chunk" in spec.options:
+            self.chunk = "auto" if self.chunk is None else self.chunk
 
     def _check_data_parallel(self, spec: StrategySpec) -> None:
         if self.replicas is None or len(self.replicas) != 1:
@@ -134,8 +139,26 @@ class JobConfig:
             raise ValueError(f"compression={self.compression!r} works on float32 gradients, but the model's "
                              f"parameters are {', '.join(sorted(str(d) for d in dtypes))}; use a float32 model "
                              "or compression=None")
+        if self.chunk is not None:
+            self._check_chunk(workers)
         self._check_items(1)
         self._check_checkpoints()
+
+    def _check_chunk(self, workers: int) -> None:
+        """CGDP: a chunk size, and room in the machine's shared memory for its gradients."""
+        if not (self.chunk == "auto" or (isinstance(self.chunk, int) and not isinstance(self.chunk, bool)
+                                         and self.chunk >= 1)):
+            raise ValueError(f"chunk={self.chunk!r}: give the layers per chunk (an integer >= 1) or 'auto' "
+                             "(the run-time search)")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", workers))
+        need = host_bytes(sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad),
+                          local)
+        if HOST_MEMORY.is_dir():
+            st = os.statvfs(HOST_MEMORY)
+            if need > st.f_bavail * st.f_frsize:
+                raise ValueError(f"cgdp needs {need / 2**20:.0f} MiB of shared memory in {HOST_MEMORY} for {local} "
+                                 f"workers' gradients, but {st.f_bavail * st.f_frsize / 2**20:.0f} MiB are free; "
+                                 "enlarge it (docker: --shm-size) or use another strategy")
 
     def _check_pipeline(self) -> None:
         sched = lookup(SCHEDULES, self.schedule, "schedule")  # type: ignore[arg-type]
@@ -308,7 +331,7 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
     name = describe(cfg.replicas, cfg.data_parallel)
     transport = Transport(rank, edges(cfg.replicas), name, device, cfg.timeout)
     sync = cfg.spec.synchronizer(SyncContext(rank, tuple(cfg.replicas), device, cfg.timeout, cfg.compression,
-                                                 stage_idx))
+                                             stage_idx, cfg.chunk))
     first = sum(cfg.replicas[:stage_idx])
     worker = Worker(rank, sync.wrap(stage) if sync else stage, policy, optimizer, transport, cfg.dataset,
                     cfg.loss_fn, cfg.batch_size, device, grad_sync=sync, trace=[] if cfg.trace else None,
@@ -346,7 +369,7 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
               "history": [asdict(h) for h in worker.history] if cfg.reporter(rank) else [],
               "trace": worker.trace or [],
               "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
-              "ring_seconds": list(getattr(sync, "ring_seconds", []))}
+              "sync_stats": sync.stats() if sync else {}}
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":  # torchrun: every rank gets every rank's part
         parts: list[Any] = [None] * world
         dist.all_gather_object(parts, result)

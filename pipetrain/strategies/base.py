@@ -8,7 +8,10 @@ The worker does not know which strategy runs, and the simulator prices the same 
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +30,7 @@ class SyncContext:
         timeout: seconds to wait for a sync before declaring a peer silent.
         compression: the codec name inside the strategy's own ring allreduce, or None.
         stage: this worker's stage.
+        chunk: CGDP's chunk size (layers per chunk, or ``"auto"``), or None.
     """
 
     rank: int
@@ -35,6 +39,7 @@ class SyncContext:
     timeout: float
     compression: str | None = None
     stage: int = 0
+    chunk: int | str | None = None
 
 
 class GradSync:
@@ -62,3 +67,60 @@ class GradSync:
 
     def close(self) -> None:
         """Release threads and buffers; called once after the last epoch."""
+
+    def stats(self) -> dict[str, Any]:
+        """What this synchronizer measured or decided, as plain data (``TrainResult.sync_stats``)."""
+        return {}
+
+
+class SyncError(RuntimeError):
+    """A gradient sync failed or did not finish in time: a peer died or went silent."""
+
+
+class Mailbox:
+    """What a communication thread hands to the compute thread, by key; its failure ends every wait.
+
+    Args:
+        timeout: seconds :meth:`take` waits for one key before giving up.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._items: dict[Any, Any] = {}
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._cond:
+            self._items[key] = value
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The communication thread died of ``error``; every waiter raises."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def ready(self, key: Any) -> bool:
+        with self._cond:
+            return key in self._items
+
+    def take(self, key: Any, what: str) -> Any:
+        """Wait for ``key`` and remove it.
+
+        Raises:
+            SyncError: the communication thread failed, or nothing came within the timeout; the
+                message names ``what`` was awaited.
+        """
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while key not in self._items:
+                if self._error is not None:
+                    first = (str(self._error).strip().splitlines() or [""])[0][:200]
+                    raise SyncError(f"{what} failed ({type(self._error).__name__}{': ' + first if first else ''}): "
+                                    "a worker died or went silent")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SyncError(f"{what} did not finish within {self.timeout:g}s: a worker died or went silent")
+                self._cond.wait(min(left, 1.0))
+            return self._items.pop(key)

@@ -29,13 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.strategies.base import GradSync, SyncContext, Weights
+from pipetrain.strategies.base import GradSync, Mailbox, SyncContext, Weights
 from pipetrain.strategies.compression import Codec, get_codec
 from pipetrain.strategies.ring import block_size, ring_allreduce
-
-
-class SyncError(RuntimeError):
-    """A gradient sync failed or did not finish in time: a peer died or went silent."""
 
 
 class RingSync(GradSync):
@@ -60,9 +56,7 @@ class RingSync(GradSync):
         self._shapes: list[tuple[torch.Size, int]] | None = None  # per parameter: shape, numel
         self._block = 0
         self._jobs: queue.Queue[tuple[int, torch.Tensor, Any] | None] = queue.Queue()
-        self._done: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
+        self._done = Mailbox(timeout)  # mb -> (reduced buffer, CUDA event or None)
         self._free: list[torch.Tensor] = []
         self._lent: torch.Tensor | None = None
         self._cuda = device.type == "cuda"
@@ -94,19 +88,7 @@ class RingSync(GradSync):
         Raises:
             SyncError: the ring failed (a peer died) or took longer than ``timeout``.
         """
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            while mb not in self._done:
-                if self._error is not None:
-                    first = str(self._error).strip().splitlines()[0][:200] if str(self._error).strip() else ""
-                    raise SyncError(f"the gradient allreduce of minibatch {mb} failed ({type(self._error).__name__}"
-                                    f"{': ' + first if first else ''}): a worker died or went silent")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise SyncError(f"the gradient allreduce of minibatch {mb} did not finish within "
-                                    f"{self.timeout:g}s: a worker died or went silent")
-                self._cond.wait(min(left, 1.0))
-            buf, event = self._done.pop(mb)
+        buf, event = self._done.take(mb, f"the gradient allreduce of minibatch {mb}")
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         offset = 0
@@ -119,6 +101,9 @@ class RingSync(GradSync):
         """Stop the communication thread once its queue is empty."""
         self._jobs.put(None)
         self._thread.join(self.timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return {"ring_seconds": list(self.ring_seconds)}
 
     def _take(self, params: list[torch.Tensor]) -> torch.Tensor:
         """A zeroed-padding buffer for one minibatch's gradient; the one lent to ``.grad`` comes back."""
@@ -153,13 +138,9 @@ class RingSync(GradSync):
                 else:
                     done, done_event = self._reduce(buf), None
                 self.ring_seconds.append(time.perf_counter() - t0)
-                with self._cond:
-                    self._done[mb] = (done, done_event)
-                    self._cond.notify_all()
+                self._done.put(mb, (done, done_event))
         except BaseException as e:  # noqa: BLE001 - handed to the compute thread at its next wait
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
+            self._done.fail(e)
 
     def _reduce(self, buf: torch.Tensor) -> torch.Tensor:
         self.bytes_sent += ring_allreduce(buf.view(self.workers, self._block), self.group, self.codec)
