@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +15,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import pipetrain
+from launching import ROOT, free_port, run_locally
 from pipetrain.strategies import cgdp as cgdp_module
 from pt_models import FaultAt, Residual
 
 N_MB, BATCH, LR, EPOCHS = 12, 6, 0.1, 2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def model() -> nn.Sequential:
@@ -114,9 +112,7 @@ def test_resume_continues_exactly(tmp_path) -> None:
 def test_several_machines_sum_hierarchically(tmp_path) -> None:
     """Two torchrun nodes of 2 workers each on this machine: each node sums in its own host memory,
     then the nodes add their sums; the result equals a 4-worker run on one machine."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PIPETRAIN_EXAMPLE_OUT": str(tmp_path / "nodes.pt")}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                                str(n), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
@@ -125,13 +121,8 @@ def test_several_machines_sum_hierarchically(tmp_path) -> None:
     for p in nodes:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
-    env.update(PIPETRAIN_EXAMPLE_OUT=str(tmp_path / "one.pt"), WORLD_SIZE="4")
-    code = "import runpy, sys; sys.argv=['x', '--strategy', 'cgdp']; " \
-        "runpy.run_path('examples/mlp_job.py', run_name='__main__')"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
     a = torch.load(tmp_path / "nodes.pt", weights_only=True)
-    b = torch.load(tmp_path / "one.pt", weights_only=True)
+    b = run_locally("cgdp", tmp_path / "one.pt", 4)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-9)
 

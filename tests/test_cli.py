@@ -1,6 +1,5 @@
 """The command line and the torchrun path, run as a user would."""
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from launching import ROOT, free_port, run_locally
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -44,22 +43,11 @@ def test_demo_trains_well_above_chance():
 def test_torchrun_matches_local_launch(tmp_path, strategy):
     """Under torchrun each process runs as its rank; the result equals a locally launched run."""
     env = {**os.environ, "PIPETRAIN_EXAMPLE_OUT": str(tmp_path / "torchrun.pt")}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", str(port), "examples/mlp_job.py", "--strategy", strategy], cwd=ROOT,
+                        "--master-port", str(free_port()), "examples/mlp_job.py", "--strategy", strategy], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    env["WORLD_SIZE"] = "2"
-    env["PIPETRAIN_EXAMPLE_OUT"] = str(tmp_path / "local.pt")
-    env.pop("RANK", None)
-    code = f"import runpy, sys; sys.argv=['x', '--strategy', '{strategy}']; " \
-        "runpy.run_path('examples/mlp_job.py', run_name='__main__')"
-    # WORLD_SIZE alone (no RANK) is not torchrun: pipetrain launches its own 2 workers
-    r2 = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r2.returncode == 0, r2.stderr[-2000:]
     a = torch.load(tmp_path / "torchrun.pt", weights_only=True)
-    b = torch.load(tmp_path / "local.pt", weights_only=True)
+    b = run_locally(strategy, tmp_path / "local.pt", 2)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

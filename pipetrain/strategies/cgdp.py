@@ -29,7 +29,6 @@ Chunks and the run-time chunk search are :mod:`pipetrain.strategies.chunks` (§4
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
@@ -149,6 +148,8 @@ class HostSum(GradSync):
         # flat order: layers in backward order, so every chunk is one contiguous range
         self._layers = [[params[n] for n in names] for names in reversed(layer_parameters(module))]
         flat = [p for layer in self._layers for p in layer]
+        if not flat:
+            raise ValueError(f"cgdp: {type(module).__name__} has no trainable parameters, so nothing to sum")
         dtypes = {p.dtype for p in flat}
         if len(dtypes) != 1:
             raise ValueError(f"cgdp sums one flat gradient; the model's parameters mix dtypes "
@@ -183,10 +184,10 @@ class HostSum(GradSync):
     def _use(self, chunk: int) -> None:
         """Group the layers into chunks of ``chunk`` for the next iteration."""
         self._chunk_size = chunk
-        self._chunks = [[p for i in ids for p in self._layers[i]] for ids in chunk_layout(len(self._layers), chunk)]
+        layout = chunk_layout(len(self._layers), chunk)
+        self._chunks = [[p for i in ids for p in self._layers[i]] for ids in layout]
         self._chunk_of = {p: c for c, ps in enumerate(self._chunks) for p in ps}
-        self._ranges = [(self._layer_range[ids[0]][0], self._layer_range[ids[-1]][1])
-                        for ids in chunk_layout(len(self._layers), chunk)]
+        self._ranges = [(self._layer_range[ids[0]][0], self._layer_range[ids[-1]][1]) for ids in layout]
         self._reset()
 
     def _reset(self) -> None:
