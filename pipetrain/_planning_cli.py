@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 import torch
 from torch.utils.data import default_collate
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("simulate", help="predict a pipeline's or a data-parallel strategy's throughput from a profile")
     p.add_argument("profile", help="profile JSON (`pipetrain profile`) or a PipeDream graph.txt")
-    p.add_argument("--strategy", default="pipeline", help="pipeline (default), ddp or pipe-sgd")
+    p.add_argument("--strategy", default="pipeline", help="pipeline (default), ddp, pipe-sgd or cgdp")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--workers", type=int, help="pipeline: plan for this many workers with the partitioner; "
                                                    "data parallel: the workers")
@@ -79,10 +80,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
+def _at_least(args: argparse.Namespace, **minimum: float) -> None:
+    """One line for the first option given below its minimum, before anything is loaded or run."""
+    for name, low in minimum.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+
+
+def _shape(text: str) -> list[int]:
+    """``--input-shape``: ``1,8,8`` or ``1x8x8``, each dimension a positive integer."""
+    dims = [d.strip() for d in re.split(r"[,x]", text)]
+    if not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(f"--input-shape {text!r}: give one sample's dimensions as positive integers, "
+                         "e.g. 1,8,8 or 1x8x8")
+    return [int(d) for d in dims]
+
+
 def cmd_profile(args: argparse.Namespace) -> None:
+    _at_least(args, batch_size=1, repeats=1, warmup=0)
+    shape = _shape(args.input_shape) if args.input_shape else None
     model = _call_factory(args.model)
-    if args.input_shape:
-        shape = [int(x) for x in args.input_shape.replace("x", ",").split(",") if x.strip()]
+    if shape:
         batch, loss_fn = torch.randn(args.batch_size, *shape), None
     else:
         dataset = _call_factory(args.data)
@@ -99,6 +118,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    _at_least(args, workers=1, workers_per_server=1)
     profile = Profile.load(args.profile)
     result = plan(profile, args.workers, args.bandwidth, straight=args.straight, memory=args.memory,
                   workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
@@ -140,6 +160,7 @@ def _short(name: str, width: int = 28) -> str:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
+    _at_least(args, workers=1, minibatches=1, microbatches=1, batch_size=1, latency=0, update_s=0, sync_latency=0)
     if lookup(STRATEGIES, args.strategy, "strategy").data_parallel:
         return _simulate_data_parallel(args)
     if args.staleness is not None or args.compression is not None:
@@ -188,6 +209,9 @@ def _simulate_data_parallel(args: argparse.Namespace) -> None:
         raise ValueError(f"--strategy {args.strategy} takes --workers N (each worker holds the whole model), "
                          "not --plan, --stages, --straight or --microbatches")
     profile = Profile.load(args.profile)
+    if not (args.batch_size or profile.batch_size):
+        raise ValueError(f"{args.profile} does not record its batch size (as PipeDream's graph.txt files do not), "
+                         "so samples/s are unknown; give it with --batch-size B")
     if args.strategy == "cgdp":
         return _simulate_cgdp(args, profile)
     link = Link(parse_bandwidth(args.bandwidth), args.latency)

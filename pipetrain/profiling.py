@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -76,18 +77,15 @@ class Profile:
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Profile":
-        """Read our JSON or a PipeDream ``graph.txt``, told apart by the first character.
+        """Read our JSON (a ``.json`` file, or text starting with ``{`` or ``[``) or a PipeDream ``graph.txt``.
 
         Raises:
-            ProfileError: a missing, unreadable or malformed file (one line naming it and the fix).
+            ProfileError: a missing, empty, unreadable or malformed file (one line naming it and the fix).
         """
-        text = _read_text(path)
-        if text.lstrip().startswith("{"):
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ProfileError(f"{path}: not valid JSON ({e}); regenerate it with `pipetrain profile`") from None
-            return Profile.from_dict(data, str(path))
+        make = _MAKE.format(path=path)
+        text = read_text(path, "profile", make)
+        if Path(path).suffix == ".json" or text.lstrip()[0] in "{[":
+            return Profile.from_dict(parse_json(text, str(path), make), str(path))
         return Profile.from_pipedream(path, text=text)
 
     @staticmethod
@@ -105,9 +103,12 @@ class Profile:
             text: the file's contents, if already read.
 
         Raises:
-            ProfileError: a malformed file (one line naming it, the line and the fix).
+            ProfileError: a malformed file (one line naming it, the line and the fix), or one with
+                several nodes but no edges (the boundary costs would all be zero).
         """
-        nodes, edges = _read_graph(str(path), _read_text(path) if text is None else text)
+        if text is None:
+            text = read_text(path, "profile", _MAKE.format(path=path))
+        nodes, edges = _read_graph(str(path), text)
         order = _topological(str(path), nodes, edges)
         inputs = [v for v in order if nodes[v].desc.startswith("Input")]
         order = [v for v in order if not nodes[v].desc.startswith("Input")]
@@ -127,27 +128,96 @@ class Profile:
                        sum(nodes[v].activation_bytes for v in inputs), {"source": "pipedream"})
 
     @staticmethod
-    def from_dict(data: dict[str, Any], source: str = "profile") -> "Profile":
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ProfileError(f"{source}: not a {FORMAT} version {VERSION} file; make one with "
-                               "`pipetrain profile` or read PipeDream files with Profile.from_pipedream")
+    def from_dict(data: Any, source: str = "profile") -> "Profile":
+        """The profile ``data`` holds (the JSON form in the module docstring).
+
+        Raises:
+            ProfileError: not a profile of this version, a missing, mistyped or negative field (one
+                line naming ``source``, the entry and the field), or no layer taking any time.
+        """
+        check_header(data, FORMAT, VERSION, source, "`pipetrain profile`")
         try:
-            layers = [LayerProfile(str(d["name"]), float(d["forward_s"]), float(d["backward_s"]),
-                                   int(d["activation_bytes"]), int(d["parameter_bytes"])) for d in data["layers"]]
-            return Profile(layers, int(data["batch_size"]), str(data["device"]), str(data.get("model", "")),
-                           int(data.get("input_bytes", 0)), dict(data.get("meta", {})))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProfileError(f"{source}: malformed layer entry ({e}); regenerate it with `pipetrain profile`") from None
+            layers = data.get("layers")
+            if not isinstance(layers, list) or not layers:
+                raise ValueError(f"profile: 'layers' is {layers!r:.40}, not a non-empty list of layer entries")
+            entries = [_layer(k, d) for k, d in enumerate(layers)]
+            if not any(x.compute_s for x in entries):
+                raise ValueError("profile: every layer takes 0 s, so any throughput would be infinite")
+            meta = data.get("meta", {})
+            if not isinstance(meta, dict):
+                raise ValueError(f"profile: 'meta' is {meta!r:.40}, not an object")
+            # batch_size 0 means unknown, as in PipeDream's files; `pipetrain profile` never writes it
+            return Profile(entries, _field(data, "batch_size", "profile", int), _field(data, "device", "profile", str),
+                           str(data.get("model", "")), _field(data, "input_bytes", "profile", int, 0), meta)
+        except ValueError as e:
+            raise ProfileError(f"{source}: malformed {e}; regenerate it with `pipetrain profile`") from None
 
 
-def _read_text(path: str | os.PathLike) -> str:
+_MAKE = "`pipetrain profile MODULE:FACTORY --batch-size B -o {path}`"
+
+
+def _layer(k: int, entry: Any) -> LayerProfile:
+    """Layer entry ``k`` of a profile's JSON; ValueError (naming it and the field) if it is malformed."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"layer entry {k}: {entry!r:.40} is not an object")
+    where = f"layer entry {k} ({entry.get('name')!r:.40})"
+    return LayerProfile(_field(entry, "name", where, str), _field(entry, "forward_s", where, float),
+                        _field(entry, "backward_s", where, float), _field(entry, "activation_bytes", where, int),
+                        _field(entry, "parameter_bytes", where, int))
+
+
+def _field(entry: dict[str, Any], key: str, where: str, kind: type, default: Any = None) -> Any:
+    """``entry[key]`` (required unless ``default`` is given) as ``kind``: any value for ``str``, else
+    a finite number >= 0, a whole one for ``int``; ValueError naming ``where`` and ``key`` otherwise."""
+    if key not in entry and default is None:
+        raise ValueError(f"{where}: no {key!r}")
+    value = entry.get(key, default)
+    if kind is str:
+        return str(value)
+    whole = kind is not int or (isinstance(value, (int, float)) and float(value).is_integer())
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not whole:
+        raise ValueError(f"{where}: {key!r} is {value!r:.40}, not {'an integer' if kind is int else 'a number'}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: {key!r} is {value!r}, not a finite number >= 0")
+    return kind(value)
+
+
+def read_text(path: str | os.PathLike, kind: str, make: str, error: type[ValueError] = ProfileError) -> str:
+    """The text of a ``kind`` file ("profile", "plan"), or ``error``: one line naming the file and
+    saying to make one with ``make``."""
     try:
-        return Path(path).read_text()
-    except (FileNotFoundError, IsADirectoryError):
-        raise ProfileError(f"{path}: no such profile file; make one with "
-                           f"`pipetrain profile MODULE:FACTORY --batch-size B -o {path}`") from None
+        text = Path(path).read_text()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise error(f"{path}: no such {kind} file; make one with {make}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ProfileError(f"{path}: cannot read it ({e}); give a profile JSON or a PipeDream graph.txt") from None
+        raise error(f"{path}: cannot read it as text ({e}); make one with {make}") from None
+    if not text.strip():
+        raise error(f"{path}: the file is empty; make one with {make}")
+    return text
+
+
+def parse_json(text: str, source: str, make: str, error: type[ValueError] = ProfileError) -> Any:
+    """``json.loads(text)``, or ``error``: one line with the place and whether the text looks cut short
+    (it opens an object or list and does not close one)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        opened, closed = text.lstrip()[:1] in ("{", "["), text.rstrip().endswith(("}", "]"))
+        cut = " (truncated?)" if opened and not closed else ""
+        raise error(f"{source}: not valid JSON{cut}: {e}; make one with {make}") from None
+
+
+def check_header(data: Any, fmt: str, version: int, source: str, make: str,
+                 error: type[ValueError] = ProfileError) -> None:
+    """Raise ``error`` (one line) unless ``data`` is an object of format ``fmt`` at ``version``."""
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise error(f"{source}: not a {fmt} version {version} file; make one with {make}")
+    found = data.get("version")
+    if isinstance(found, int) and found > version:
+        raise error(f"{source}: written by a newer pipetrain ({fmt} version {found}; this one reads {version}); "
+                    f"upgrade pipetrain or make it again with {make}")
+    if found != version:
+        raise error(f"{source}: not a {fmt} version {version} file (its version is {found!r}); make one with {make}")
 
 
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -174,7 +244,7 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
 
     Raises:
         LayerError: the model cannot be cut into layers.
-        ValueError: ``repeats < 1``, no input tensors, or no ``(input, target)`` pair with ``loss_fn``.
+        ValueError: ``repeats < 1``, no input tensors or samples, or no ``(input, target)`` pair with ``loss_fn``.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
@@ -184,6 +254,8 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     inputs = _tensors(value)
     if not inputs:
         raise ValueError("sample_batch holds no tensors; pass one minibatch of model input")
+    if inputs[0].dim() and inputs[0].shape[0] == 0:
+        raise ValueError("sample_batch holds 0 samples; pass a minibatch of at least one")
     layers = LayeredModel(model)
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     measured = []
@@ -277,32 +349,58 @@ _GRAPH_FIX = ("expected `nodeN -- Desc -- forward_compute_time=MS, backward_comp
 def _read_graph(source: str, text: str) -> tuple[dict[str, _Node], dict[str, list[str]]]:
     """Nodes by id and, per node, the nodes it feeds, from graph.txt text."""
     nodes: dict[str, _Node] = {}
+    node_line: dict[str, int] = {}
     edges: dict[str, list[str]] = {}
     edge_lines: list[tuple[int, str, str]] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    lines = text.rstrip().splitlines()
+
+    def cut(lineno: int) -> str:
+        """A hint on the last line: a file cut short ends in a partial line."""
+        return " (the last line: truncated?)" if lineno == len(lines) > 1 else ""
+
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if line.startswith("\t"):
             ends = line.strip().split(" -- ")
             if len(ends) != 2:
-                raise ProfileError(f"{source}:{lineno}: cannot read edge line {line.strip()!r}; {_GRAPH_FIX}")
+                raise ProfileError(f"{source}:{lineno}: cannot read edge line {line.strip()!r}{cut(lineno)}; "
+                                   f"{_GRAPH_FIX}")
             edge_lines.append((lineno, *ends))
             continue
         m = _NODE_LINE.match(line.strip())
         fields = dict(_FIELD.findall(m.group(3))) if m else {}
         try:
-            forward, backward, act, par = (_number(fields[k]) for k in _FIELDS)
+            values = {k: _number(fields[k]) for k in _FIELDS}
         except (KeyError, ValueError):
-            raise ProfileError(f"{source}:{lineno}: cannot read node line {line.strip()[:60]!r}; "
+            raise ProfileError(f"{source}:{lineno}: cannot read node line {line.strip()[:60]!r}{cut(lineno)}; "
                                f"{_GRAPH_FIX}") from None
-        nodes[m.group(1)] = _Node(m.group(2), forward, backward, round(act), round(par))  # type: ignore[union-attr]
+        node = m.group(1)  # type: ignore[union-attr]
+        bad = next((k for k, v in values.items() if not (math.isfinite(v) and v >= 0)), None)
+        if bad:
+            raise ProfileError(f"{source}:{lineno}: node {node} has {bad}={fields[bad].strip()}; times and sizes "
+                               "must be finite and >= 0")
+        if node in node_line:
+            raise ProfileError(f"{source}:{lineno}: node {node} again (first at line {node_line[node]}); "
+                               "give each node one node line")
+        node_line[node] = lineno
+        forward, backward, act, par = values.values()
+        nodes[node] = _Node(m.group(2), forward, backward, round(act), round(par))  # type: ignore[union-attr]
     for lineno, a, b in edge_lines:
         if a not in nodes or b not in nodes:
-            raise ProfileError(f"{source}:{lineno}: edge {a} -- {b} names a node with no node line; "
+            raise ProfileError(f"{source}:{lineno}: edge {a} -- {b} names a node with no node line{cut(lineno)}; "
                                "add the node line or drop the edge")
         edges.setdefault(a, []).append(b)
-    if not any(not n.desc.startswith("Input") for n in nodes.values()):
+    layers = [n for n in nodes.values() if not n.desc.startswith("Input")]
+    if not layers:
         raise ProfileError(f"{source}: no layer nodes found; give a PipeDream graph.txt ({_GRAPH_FIX})")
+    if not any(n.forward_ms + n.backward_ms for n in layers):
+        raise ProfileError(f"{source}: every layer node takes 0 ms, so any throughput would be infinite; "
+                           "give a graph.txt with measured times")
+    if len(nodes) > 1 and not edges:
+        raise ProfileError(f"{source}: has {len(nodes)} nodes but no edges: the boundary costs would all be zero; "
+                           "give the whole graph.txt, whose edge lines (a tab, then `nodeA -- nodeB`) follow "
+                           "the node lines")
     return nodes, edges
 
 
@@ -310,6 +408,8 @@ def _number(text: str) -> float:
     """``12.5`` or a list ``[a; b; ...]`` (several outputs), summed."""
     text = text.strip()
     if text.startswith("["):
+        if not text.endswith("]"):
+            raise ValueError(f"{text!r} has no closing ']'")
         return sum(float(x) for x in text[1:-1].split(";") if x.strip())
     return float(text)
 

@@ -199,7 +199,7 @@ def test_bad_plans_and_mismatched_models_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match=f"^{bad}: malformed plan .*regenerate it with `pipetrain plan`$"):
         Plan.load(bad)
     bad.write_text("not json")
-    with pytest.raises(ValueError, match=f"^{bad}: not JSON"):
+    with pytest.raises(ValueError, match=f"^{bad}: not valid JSON"):
         Plan.load(bad)
     result = plan(VGG16, 8, "10Gbit")
     check_fits(result, 40, "plan.json")

@@ -117,9 +117,9 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
     if (workers_per_server is None) != (intra_bandwidth is None):
         raise ValueError("a two-level topology needs both workers_per_server and intra_bandwidth")
     inter = parse_bandwidth(bandwidth)
-    topo = (Topology(workers, inter, inter) if workers_per_server is None else
-            Topology(workers_per_server, parse_bandwidth(intra_bandwidth), inter))  # type: ignore[arg-type]
-    limit = None if memory is None else parse_bytes(memory)
+    topo = (Topology(workers, inter, inter) if workers_per_server is None else Topology(
+        workers_per_server, parse_bandwidth(intra_bandwidth, "intra_bandwidth"), inter))  # type: ignore[arg-type]
+    limit = None if memory is None else parse_bytes(memory, "memory")
     if allreduce not in SYNC_ALGORITHMS:
         raise ValueError(f"unknown sync algorithm {allreduce!r}; use one of {', '.join(SYNC_ALGORITHMS)}")
 

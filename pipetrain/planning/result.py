@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipetrain.profiling import Profile
+from pipetrain.profiling import Profile, check_header, parse_json, read_text
 
 FORMAT, VERSION = "pipetrain-plan", 1
 
@@ -88,10 +88,9 @@ class Plan:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @staticmethod
-    def from_dict(data: dict[str, Any], source: str = "plan") -> "Plan":
-        """Raises ValueError (one line naming ``source``) unless ``data`` is a valid plan."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ValueError(f"{source}: not a {FORMAT} version {VERSION} file; make one with `pipetrain plan`")
+    def from_dict(data: Any, source: str = "plan") -> "Plan":
+        """Raises ValueError (one line naming ``source``) unless ``data`` is a valid plan of this version."""
+        check_header(data, FORMAT, VERSION, source, "`pipetrain plan`", ValueError)
         try:
             stages = [StagePlan(int(s["first_layer"]), int(s["last_layer"]), int(s["replicas"]),
                                 float(s.get("time_s", 0.0)), float(s.get("boundary_s", 0.0)))
@@ -106,14 +105,10 @@ class Plan:
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Plan":
-        """Read a plan written by :meth:`save`; errors name the file."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ValueError(f"{path}: no such plan file; make one with `pipetrain plan PROFILE -o {path}`") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e}); regenerate it with `pipetrain plan`") from None
-        return Plan.from_dict(data, str(path))
+        """Read a plan written by :meth:`save`; errors are one line naming the file."""
+        make = f"`pipetrain plan PROFILE --workers N -o {path}`"
+        return Plan.from_dict(parse_json(read_text(path, "plan", make, ValueError), str(path), make, ValueError),
+                              str(path))
 
 
 def _check_stages(plan: Plan, source: str) -> None:

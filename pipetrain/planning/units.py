@@ -45,34 +45,35 @@ def _parse(text: str | float, what: str, example: str, rate: bool) -> float:
             raise ValueError(f"{what} {text!r} has no unit (tc reads a bare number as bits/s); "
                              f"write {m['number']}bit for bits/s or {m['number']}B/s for bytes/s")
         if not rate and (m["tc_bytes"] or m["per_s"]):
-            raise ValueError(f"{what} {text!r} is a rate, not a {what}; write it like {example}")
+            raise ValueError(f"{what} {text!r} is a rate, not a size; write it like {example}")
         bits = unit.lower().startswith("bit")
         value = float(m["number"]) * _PREFIX[(m["prefix"] or "").lower()] / (8 if bits else 1)
     if value <= 0:
-        raise ValueError(f"{what} {text!r} must be positive")
+        raise ValueError(f"{what} {text!r} must be positive; write it like {example}")
     return value
 
 
-def parse_bandwidth(text: str | float) -> float:
+def parse_bandwidth(text: str | float, name: str = "bandwidth") -> float:
     """Bytes per second from a rate in tc's units or the usual spellings (see [Note: tc's units]).
 
     ``10Gbit``, ``1gbit``, ``100Mbit/s`` are bits per second; ``1.25GB/s``, ``10GB`` and ``tc``'s
     ``10mbps``, ``1gbps`` are BYTES per second: ``mbps`` means megabytes per second, as in ``tc``.
-    A Python number is bytes per second.
+    A Python number is bytes per second. ``name`` is what error messages call it.
 
     Raises:
         ValueError: not a bandwidth, ambiguous (``10Gb/s``, a string without a unit), or not positive.
     """
-    return _parse(text, "bandwidth", "10Gbit or 100mbit (bits/s), 1.25GB/s or 10mbps (bytes/s, as tc)", rate=True)
+    return _parse(text, name, "10Gbit or 100mbit (bits/s), 1.25GB/s or 10mbps (bytes/s, as tc)", rate=True)
 
 
-def parse_bytes(text: str | float) -> float:
-    """Bytes from ``16GiB``, ``16GB``, ``512MiB``, ``8Gbit`` or a number of bytes.
+def parse_bytes(text: str | float, name: str = "size") -> float:
+    """Bytes from ``16GiB``, ``16GB``, ``512MiB``, ``8Gbit`` or a number of bytes; ``name`` is what
+    error messages call it.
 
     Raises:
         ValueError: not a size (a rate such as ``1GB/s`` included), ambiguous (``16Gb``), or not positive.
     """
-    return _parse(text, "size", "16GiB or 512MB", rate=False)
+    return _parse(text, name, "16GiB or 512MB", rate=False)
 
 
 def format_bandwidth(bytes_per_s: float) -> str:
