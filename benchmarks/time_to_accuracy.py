@@ -209,8 +209,8 @@ def run_pipetrain(system: str, model: nn.Module, dataset: Dataset, s: Setting, s
                 batch_size=s.batch_size, epochs=s.epochs, shuffle=True, seed=seed, threads=threads,
                 checkpoint_dir=ckpt, keep_checkpoints=None, timeout=timeout, **how)
         except pipetrain.PipetrainError as e:
-            # e.g. a NaN loss: the run stops, history is lost with the workers; the checkpoints of the
-            # completed epochs remain, timed by their files (the last stage to save each epoch).
+            # e.g. a NaN loss: the run stops; the checkpoints of the completed epochs remain, timed by
+            # their files (the last stage to save each epoch).
             return _failed_run(system, model, s, seed, ckpt, wall0, str(e))
         ends = []
         for epoch in range(s.epochs):

@@ -4,7 +4,9 @@ from pipetrain.layers import LayerError, LayeredModel
 from pipetrain.planning import Plan, plan
 from pipetrain.profiling import Profile
 from pipetrain.profiling import profile_model as profile
+from pipetrain.runtime.checkpoint import CheckpointError
 from pipetrain.runtime.checkpoint import assemble as load_checkpoint
+from pipetrain.runtime.job import PipetrainWarning
 from pipetrain.runtime.launch import PipetrainError
 from pipetrain.registry import build_data_parallel, build_schedule
 from pipetrain.schedule import Action, Schedule
@@ -12,5 +14,6 @@ from pipetrain.simulate import Link, SimResult, simulate
 
 __all__ = ["train", "TrainResult", "profile", "Profile", "plan", "Plan", "simulate", "SimResult", "Link",
            "load_checkpoint",
-           "LayeredModel", "LayerError", "PipetrainError", "Schedule", "Action", "build_schedule",
+           "LayeredModel", "LayerError", "PipetrainError", "PipetrainWarning", "CheckpointError", "Schedule", "Action",
+           "build_schedule",
            "build_data_parallel"]

@@ -100,11 +100,11 @@ def _shape(text: str) -> list[int]:
 def cmd_profile(args: argparse.Namespace) -> None:
     _at_least(args, batch_size=1, repeats=1, warmup=0)
     shape = _shape(args.input_shape) if args.input_shape else None
-    model = _call_factory(args.model)
+    model = _call_factory(args.model, "model")
     if shape:
         batch, loss_fn = torch.randn(args.batch_size, *shape), None
     else:
-        dataset = _call_factory(args.data)
+        dataset = _call_factory(args.data, "data")
         if len(dataset) < args.batch_size:
             raise ValueError(f"{args.data} has {len(dataset)} items, fewer than --batch-size {args.batch_size}")
         batch, loss_fn = default_collate([dataset[i] for i in range(args.batch_size)]), _loss(args.loss)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ from pipetrain.layers import LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
 from pipetrain.profiling import profile_model
 from pipetrain.registry import STRATEGIES, lookup
-from pipetrain.runtime.job import JobConfig, describe, init_distributed, run_rank
+from pipetrain.runtime import checkpoint
+from pipetrain.runtime.job import JobConfig, describe, init_distributed, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
 
 
@@ -44,6 +46,11 @@ class TrainResult:
             (the chunk size of every iteration) and ``search`` (the run-time chunk search).
         started: ``time.perf_counter()`` when ``train`` was called; on one machine it shares the clock
             of the history's ``time`` (so ``h["time"] - started`` is wall time since the call).
+        restarts: one record per automatic restart (``max_restarts``): ``attempt`` that failed,
+            ``error``, ``resumed_after_epoch`` (None: from scratch), ``redone_steps`` (updates the
+            failed attempt made after that epoch, trained again) and ``time`` (perf_counter, when
+            the failure was seen).
+        epochs_trained: epochs this call trained (0 when a resumed job had nothing left to train).
     """
 
     model: nn.Module
@@ -55,16 +62,18 @@ class TrainResult:
     started: float = 0.0
     bytes_sent: list[int] = field(default_factory=list)
     sync_stats: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    epochs_trained: int = 0
 
 
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
           optimizer: Callable[..., torch.optim.Optimizer], strategy: str = "pipeline",
           stages: Sequence[int] | Plan | str | os.PathLike | None = None, workers: int | None = None,
-          bandwidth: float | str = "10Gbit", schedule: str | None = None, vertical_sync: bool = False,
+          bandwidth: float | str | None = None, schedule: str | None = None, vertical_sync: bool = False,
           microbatches: int = 1, staleness: int | None = None, compression: str | None = None,
           warmup_epochs: int = 0, chunk: int | str | None = None, batch_size: int = 32, epochs: int = 1, shuffle: bool = True, seed: int = 0,
           checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
-          keep_checkpoints: int | None = 2, timeout: float = 300.0,
+          keep_checkpoints: int | None = 2, max_restarts: int = 0, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False,
           progress: bool = False) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
@@ -86,7 +95,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         workers: data parallel: the workers, each holding the whole model and taking batch_size /
             workers samples of every minibatch (under torchrun: default WORLD_SIZE). Pipeline: the
             worker count for ``"auto"``; with a plan, it must match the plan's.
-        bandwidth: link speed the automatic plan assumes, bytes/s or a string such as ``"10Gbit"``.
+        bandwidth: link speed the automatic plan (``stages="auto"``) assumes, bytes/s or a string such as
+            ``"1Gbit"`` (default 10 Gbit/s); only with ``stages="auto"``.
         schedule: pipeline: ``pipedream`` (default), ``naive``, ``gpipe``, ``1f1b-flush`` or ``model-parallel``.
         vertical_sync: pipeline, with ``pipedream``: every stage uses the input stage's weight version.
         microbatches: pipeline: slices per minibatch for ``gpipe`` and ``1f1b-flush``.
@@ -105,7 +115,13 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             from the newest epoch all workers completed; each worker keeps its ``keep_checkpoints``
             newest epochs (at least 2; None keeps all, e.g. to evaluate every epoch later with
             ``pipetrain.load_checkpoint``).
-        timeout: seconds a worker waits on a silent peer before failing.
+        max_restarts: when a worker dies or goes silent, stop the others, start every worker again
+            from the newest epoch all of them saved, and go on, up to this many times (needs
+            ``checkpoint_dir``). Under ``torchrun --max-restarts N`` the restarted ranks resume from
+            ``checkpoint_dir`` by themselves. A worker's own error (a bad loss, a NaN) is not retried.
+        timeout: seconds a worker waits on a silent peer before failing; a locally launched worker
+            that shows no sign of life (stopped, hung) for min(timeout / 2, 20) seconds is named and the
+            job stopped sooner: a merely slow worker still shows signs of life.
         threads: torch threads per worker (default: cores / workers).
         trace: record each action's start and end on every worker (``result.traces``); a directory
             also gets ``trace.json`` (Chrome trace, opens in Perfetto) and ``timeline.png``.
@@ -113,9 +129,23 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
 
     Raises:
         ValueError: bad arguments (one line says which and what to do).
-        PipetrainError: a worker failed; the message names it.
+        PipetrainError: a worker failed (and no restart was left); the message names it, and the
+            error carries the ``history`` recorded so far and the newest ``checkpoint_epoch``.
     """
     started = time.perf_counter()
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts!r}: give how many times to restart, 0 or more")
+    if max_restarts and checkpoint_dir is None:
+        raise ValueError("max_restarts needs checkpoint_dir: a restarted job resumes from the workers' checkpoints")
+    if bandwidth is not None and not (isinstance(stages, str) and stages == "auto"):
+        raise ValueError(f"bandwidth={bandwidth!r} is only used to plan with stages='auto'; drop it (a plan file "
+                         "was made for its own bandwidth)")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if under_torchrun() else 0
+    if restarted and checkpoint_dir is not None:
+        resume = True  # torchrun restarted this rank: resume from the checkpoints, as every rank does
+    elif restarted:
+        warn(f"torchrun restarted this job ({restarted} times) but it has no checkpoint_dir to resume from; "
+             "training again from epoch 0")
     if lookup(STRATEGIES, strategy, "strategy").data_parallel:
         if workers is None and under_torchrun():
             workers = int(os.environ["WORLD_SIZE"])
@@ -132,7 +162,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
                     microbatches=microbatches, staleness=staleness, compression=compression,
                     warmup_epochs=warmup_epochs, chunk=chunk, batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
                     checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir), resume=resume,
-                    keep_checkpoints=keep_checkpoints, timeout=timeout, trace=bool(trace), progress=progress)
+                    keep_checkpoints=keep_checkpoints, timeout=timeout, trace=bool(trace), progress=progress,
+                    attempt=restarted)
     cfg = JobConfig(**settings)  # every check that needs no plan, before any profiling
     if not cfg.data_parallel:
         layers = LayeredModel(model)
@@ -146,12 +177,31 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} workers but {job} needs {cfg.world}; "
                          f"launch with --nproc-per-node/--nnodes giving {cfg.world} in all")
     name = describe(cfg.replicas, cfg.data_parallel)  # type: ignore[arg-type]
-    if under_torchrun():
-        parts = run_rank(cfg)["parts"]
-    else:
-        parts = spawn(run_rank, cfg.world, (cfg,), describe=name)
-    result = _gather(model, parts, name)
-    result.started = started
+    restarts: list[dict[str, Any]] = []
+    first_epoch = 0 if cfg.resume_from is None else cfg.resume_from + 1
+    while True:
+        if cfg.resume_from is not None and cfg.resume_from + 1 >= cfg.epochs:
+            return _already_done(model, cfg, started, restarts, cfg.epochs - first_epoch)
+        try:
+            parts = run_rank(cfg)["parts"] if under_torchrun() else spawn(
+                run_rank, cfg.world, (cfg,), describe=name, silent_after=min(timeout / 2, SILENT_AFTER_S),
+                log_dir=cfg.checkpoint_dir)
+            break
+        except PipetrainError as e:
+            kept = _kept_epoch(cfg)
+            if e.kind == "error" or len(restarts) >= max_restarts or under_torchrun():
+                e.checkpoint_epoch = kept
+                e.history = _whole_history(cfg, kept, e.history)
+                raise
+            redone = sum(1 for h in e.history if kept is None or h["epoch"] > kept)
+            restarts.append({"attempt": cfg.attempt, "error": str(e), "resumed_after_epoch": kept,
+                             "redone_steps": redone, "time": time.perf_counter()})
+            warn(f"{e}; restarting every worker after epoch {kept} ({len(restarts)} of {max_restarts} restarts)"
+                 if kept is not None else f"{e}; restarting every worker from the start ({len(restarts)} of "
+                 f"{max_restarts} restarts)")
+            cfg = dataclasses.replace(cfg, resume=kept is not None, attempt=cfg.attempt + 1)
+    result = _gather(model, parts, name, since_epoch=first_epoch)
+    result.started, result.restarts, result.epochs_trained = started, restarts, cfg.epochs - first_epoch
     if chosen is not None:
         result.plan = chosen
         result.predicted_samples_per_s = batch_size / chosen.stage_time_s if chosen.stage_time_s > 0 else None
@@ -162,10 +212,50 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     return result
 
 
+DEFAULT_BANDWIDTH = "10Gbit"
+"""The link speed ``stages="auto"`` plans for when no bandwidth is given."""
+
+SILENT_AFTER_S = 20.0
+"""A locally launched worker that shows no sign of life for this long (or half the ``timeout``, if
+shorter) is declared silent (stopped, hung), before a peer's ``timeout`` would blame its neighbour."""
+
+
+def _kept_epoch(cfg: JobConfig) -> int | None:
+    """The newest epoch every worker saved whole for this job, or None (no checkpoints)."""
+    if cfg.checkpoint_dir is None:
+        return None
+    return checkpoint.resume_epoch(cfg.checkpoint_dir, cfg.world, cfg.identity(), warn)
+
+
+def _whole_history(cfg: JobConfig, kept: int | None, streamed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of a failed run: those saved with the newest checkpoint, then those the workers
+    streamed since (one per step)."""
+    records = {h["step"]: h for h in (checkpoint.history(cfg.checkpoint_dir, cfg.world, kept)  # type: ignore[arg-type]
+                                       if kept is not None else [])}
+    records.update({h["step"]: h for h in streamed})
+    return [records[k] for k in sorted(records)]
+
+
+def _already_done(model: nn.Module, cfg: JobConfig, started: float, restarts: list[dict[str, Any]],
+                  trained: int) -> TrainResult:
+    """A resumed job whose every epoch is saved: the checkpointed model and history. ``trained``: the
+    epochs this call trained before (a worker that failed after saving the last epoch is restarted
+    into this)."""
+    assert cfg.checkpoint_dir is not None and cfg.resume_from is not None
+    if not restarts:
+        warn(f"every requested epoch (up to {cfg.epochs - 1}) is already saved in {cfg.checkpoint_dir}; nothing "
+             f"left to train, returning the model of epoch {cfg.resume_from} (ask for more epochs to train on)")
+    return TrainResult(checkpoint.assemble(model, cfg.checkpoint_dir, cfg.resume_from),
+                       checkpoint.history(cfg.checkpoint_dir, cfg.world, cfg.resume_from), 0.0, started=started,
+                       restarts=restarts, epochs_trained=trained)
+
+
 def _boundaries(stages: Any) -> list[int]:
     if isinstance(stages, (str, os.PathLike, Plan)):
         raise ValueError(f"stages={stages!r} is a plan; a data-parallel strategy takes no stages")
-    return [int(b) for b in stages]
+    if isinstance(stages, (int, float)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in stages):
+        raise ValueError(f"stages={stages!r}: give the first layer index of each stage as integers, e.g. [0, 3, 7]")
+    return list(stages)
 
 
 def _write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],
@@ -184,13 +274,16 @@ def _write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, 
 def _threads(threads: int | None, workers: int) -> int:
     """Torch threads per worker: the cores of this machine shared by its workers, unless given."""
     if threads is not None:
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"threads={threads!r}: give the torch threads per worker, at least 1 (or None: "
+                             "the cores shared by the workers)")
         return threads
     local = int(os.environ.get("LOCAL_WORLD_SIZE", workers))
     return max(1, (os.cpu_count() or 1) // local)
 
 
 def _resolve_plan(stages: Any, workers: int | None, num_layers: int, model: nn.Module, dataset: Dataset,
-                  loss_fn: Callable[[Any, Any], torch.Tensor], batch_size: int, bandwidth: float | str,
+                  loss_fn: Callable[[Any, Any], torch.Tensor], batch_size: int, bandwidth: float | str | None,
                   threads: int, timeout: float) -> Plan | None:
     """The plan ``stages`` names (a Plan, a JSON path or "auto"), checked against the model; None
     for a plain list of boundaries."""
@@ -199,10 +292,15 @@ def _resolve_plan(stages: Any, workers: int | None, num_layers: int, model: nn.M
     elif isinstance(stages, (str, os.PathLike)) and str(stages) == "auto":
         if workers is None:
             raise ValueError("stages='auto' needs workers=N (CLI: --workers N), the number of workers to plan for")
-        chosen, source = _auto_plan(model, dataset, loss_fn, batch_size, workers, bandwidth, threads, timeout), "auto"
+        chosen = _auto_plan(model, dataset, loss_fn, batch_size, workers, bandwidth or DEFAULT_BANDWIDTH, threads,
+                            timeout)
+        source = "auto"
     elif isinstance(stages, (str, os.PathLike)):
         chosen, source = Plan.load(stages), str(stages)
     else:
+        if workers is not None:
+            raise ValueError(f"workers={workers} is given beside explicit stages, which place one worker per stage; "
+                             "drop workers, or plan with stages='auto'")
         return None
     check_fits(chosen, num_layers, source)
     if workers is not None and chosen.workers != workers:
@@ -239,9 +337,11 @@ def _profile_and_plan(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     return plan(measured, workers, bandwidth)
 
 
-def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], str]) -> TrainResult:
-    """The trained model and history from every rank's part. Data-parallel workers must end bitwise
-    identical: a difference is a bug, never a result."""
+def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], str],
+            since_epoch: int = 0) -> TrainResult:
+    """The trained model and history from every rank's part (samples/s from the records of epochs
+    ``since_epoch`` on: those trained by this run). Data-parallel workers must end bitwise identical:
+    a difference is a bug, never a result."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
         state.update(part["state"])
@@ -257,9 +357,10 @@ def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int],
                              "workers must stay identical (please report this)")
     history = sorted((h for part in parts for h in part["history"]), key=lambda h: h["step"])
     speed = 0.0
-    if len(history) > 1 and history[-1]["time"] > history[0]["time"]:
+    timed = [h for h in history if h["epoch"] >= since_epoch]
+    if len(timed) > 1 and timed[-1]["time"] > timed[0]["time"]:
         # history times are one process's clock: the output stage's (one replica of it)
-        speed = sum(h["samples"] for h in history[1:]) / (history[-1]["time"] - history[0]["time"])
+        speed = sum(h["samples"] for h in timed[1:]) / (timed[-1]["time"] - timed[0]["time"])
     return TrainResult(full, history, speed, [part["trace"] for part in parts],
                        bytes_sent=[part["bytes_sent"] for part in parts],
                        sync_stats=[part["sync_stats"] for part in parts])

@@ -7,8 +7,10 @@ import importlib
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 
@@ -26,6 +28,10 @@ def load_object(path: str) -> Any:
         obj: Any = importlib.import_module(module)
     except ImportError as e:
         raise ValueError(f"cannot import {module!r} from {path!r}: {e}") from None
+    except SyntaxError as e:
+        raise ValueError(f"cannot import {module!r} from {path!r}: {e.msg} ({e.filename}, line {e.lineno})") from None
+    except Exception as e:  # the module's own code failed at import: report it, not a traceback
+        raise ValueError(f"importing {module!r} from {path!r} failed: {type(e).__name__}: {e}") from None
     for part in name.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{module!r} has no {name!r} (from {path!r})")
@@ -33,9 +39,23 @@ def load_object(path: str) -> Any:
     return obj
 
 
-def _call_factory(path: str) -> Any:
+def _call_factory(path: str, wanted: str) -> Any:
+    """The object ``path`` names, called when it is a factory; one-line errors for a failing factory or
+    one that returns something other than ``wanted`` ("model": an nn.Module, "data": a map-style dataset)."""
     obj = load_object(path)
-    return obj() if callable(obj) and not isinstance(obj, torch.nn.Module) else obj
+    if callable(obj) and not isinstance(obj, torch.nn.Module):
+        try:
+            obj = obj()
+        except Exception as e:  # the user's factory failed: say so in one line
+            raise ValueError(f"{path}() failed: {type(e).__name__}: {e}") from None
+    if wanted == "model" and not isinstance(obj, torch.nn.Module):
+        raise ValueError(f"{path} gave a {type(obj).__name__}, not a torch.nn.Module; name a module or a function "
+                         "returning one")
+    if wanted == "data" and (isinstance(obj, torch.nn.Module) or not hasattr(obj, "__len__")
+                             or not hasattr(obj, "__getitem__")):
+        raise ValueError(f"{path} gave a {type(obj).__name__}, not a map-style dataset (len() and [i]); name a "
+                         "Dataset or a function returning one")
+    return obj
 
 
 def _loss(name: str) -> Callable[..., torch.Tensor]:
@@ -61,7 +81,31 @@ def _chunk(text: str) -> int | str:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    """``--stages 0,2,4`` -> [0, 2, 4], or a one-line error."""
+    try:
+        stages = [int(x) for x in text.split(",")]
+    except ValueError:
+        stages = []
+    if not stages:
+        raise ValueError(f"--stages {text!r}: give the first layer index of each stage, e.g. --stages 0,2,4")
+    return stages
+
+
+def _check_output(path: str | None, option: str, directory: bool = False) -> None:
+    """Before training: ``path`` (a file, or a ``directory`` made if missing) can be written."""
+    if path is None:
+        return
+    target = Path(path) if directory else Path(path).resolve().parent
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{option} {path}: {target} is a file, not a directory; give a path you can write")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot make {target} ({e.strerror}); give a path you can write") from None
+    if Path(path).is_dir() and not directory:
+        raise ValueError(f"{option} {path} is a directory; give a file name")
+    if not os.access(target, os.W_OK):
+        raise ValueError(f"{option} {path}: {target} is not writable; give a path you can write")
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
@@ -90,25 +134,37 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shuffle", action="store_true")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--resume", action="store_true", help="restart from the newest epoch all stages saved")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a worker dies or goes silent, restart every worker from the newest checkpoint, up to N "
+                        "times (needs --checkpoint-dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     import pipetrain
 
-    model = _call_factory(args.model)
-    dataset = _call_factory(args.data)
+    _check_output(args.save, "--save")
+    _check_output(args.trace, "--trace", directory=True)
+    loss_fn, optimizer = _loss(args.loss), _optimizer(args)
+    model = _call_factory(args.model, "model")
+    dataset = _call_factory(args.data, "data")
     result = pipetrain.train(
-        model, dataset, loss_fn=_loss(args.loss), optimizer=_optimizer(args), strategy=args.strategy,
-        stages=_ints(args.stages) if args.stages else args.plan, workers=args.workers,
+        model, dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=args.strategy,
+        stages=_ints(args.stages) if args.stages is not None else args.plan, workers=args.workers,
         bandwidth=args.bandwidth, schedule=args.schedule, vertical_sync=args.vertical_sync,
         microbatches=args.microbatches, staleness=args.staleness, compression=args.compression,
         warmup_epochs=args.warmup_epochs, chunk=args.chunk, batch_size=args.batch_size, epochs=args.epochs,
         shuffle=not args.no_shuffle, seed=args.seed, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-        timeout=args.timeout, trace=args.trace or False, progress=True)
-    last = result.history[-1] if result.history else {"loss": float("nan")}
-    print(f"final loss {last['loss']:.4f}")
-    _report_speed(result)
+        max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True)
+    for r in result.restarts:
+        after = f"after epoch {r['resumed_after_epoch']}" if r["resumed_after_epoch"] is not None else "from the start"
+        print(f"restarted {after}: {r['error']}")
+    if result.history:
+        print(f"final loss {result.history[-1]['loss']:.4f}")
+    if result.epochs_trained == 0:
+        print(f"nothing left to train: every requested epoch is in {args.checkpoint_dir}")
+    else:
+        _report_speed(result)
     if args.save:
         torch.save(result.model.state_dict(), args.save)
         print(f"saved the trained model's state_dict to {args.save}")
@@ -150,8 +206,15 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"wall time {time.perf_counter() - t0:.1f}s")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipetrain", description=__doc__)
+    parser = _Parser(prog="pipetrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train MODULE:FACTORY as a pipeline or data parallel")
@@ -163,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "`pipetrain plan`")
     p.add_argument("--workers", type=int, default=None, help="data parallel: the workers; pipeline: workers to plan "
                                                              "for (--plan auto), checked against a plan file")
-    p.add_argument("--bandwidth", default="10Gbit", help="link speed --plan auto assumes, e.g. 1Gbit")
-    p.add_argument("--loss", default="cross_entropy", help="torch.nn.functional name or MODULE:FUNCTION")
+    p.add_argument("--bandwidth", default=None, help="link speed --plan auto assumes, e.g. 1Gbit (default 10Gbit)")
+    p.add_argument("--loss", required=True,
+                   help="torch.nn.functional name (cross_entropy, mse_loss) or MODULE:FUNCTION")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here")
     p.add_argument("--trace", default=None, metavar="DIR", help="write DIR/trace.json (Chrome trace) and DIR/timeline.png")
     _add_train_options(p)
@@ -183,13 +247,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                       file: Any = None, line: str | None = None) -> None:
+    """pipetrain's warnings as one line each on stderr (others as Python prints them)."""
+    from pipetrain.runtime.job import PipetrainWarning
+
+    if issubclass(category, PipetrainWarning):
+        print(f"pipetrain: warning: {message}", file=sys.stderr)
+    else:
+        _show_warning(message, category, filename, lineno, file, line)
+
+
+_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _one_line_warnings
     try:
         args.func(args)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"pipetrain {args.command}: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\npipetrain {args.command}: interrupted; the workers were stopped (checkpoints already written are "
+              "kept)", file=sys.stderr)
+        return 130
+    finally:
+        warnings.showwarning = _show_warning
     return 0
 
 

@@ -1,5 +1,6 @@
 """Small models and failure-injecting layers for the multi-process tests (module level so they pickle)."""
 import os
+import signal
 import time
 
 import torch
@@ -70,3 +71,47 @@ class FaultAt(nn.Module):
 def nan_loss(output, target):
     """A loss that has gone bad."""
     return torch.nn.functional.mse_loss(output, target) * float("nan")
+
+
+class KillOnce(nn.Module):
+    """Identity that sends ``sig`` (default SIGKILL; SIGSTOP stops it) to its own process on worker
+    ``rank``, once per ``marker`` file: at its ``at``-th training forward, or (``when="save"``) at the
+    first checkpoint save after ``at`` forwards (the state being gathered, while other workers write
+    theirs)."""
+
+    def __init__(self, rank: int, at: int, marker: str, when: str = "forward", sig: int = signal.SIGKILL) -> None:
+        super().__init__()
+        self.rank, self.at, self.marker, self.when, self.sig, self.calls = rank, at, marker, when, sig, 0
+
+    def _kill(self) -> None:
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), self.sig)
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled() and os.environ.get("RANK") == str(self.rank):
+            self.calls += 1
+            if self.when == "forward" and self.calls == self.at:
+                self._kill()
+        return x
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.when == "save" and self.calls >= self.at and os.environ.get("RANK") == str(self.rank):
+            self._kill()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+
+class BusyOn(nn.Module):
+    """Identity that computes in Python (holding the GIL) for ``seconds`` per forward on worker ``rank``:
+    a slow worker, not a dead one."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        super().__init__()
+        self.rank, self.seconds = rank, seconds
+
+    def forward(self, x):
+        if os.environ.get("RANK") == str(self.rank):
+            end = time.perf_counter() + self.seconds
+            while time.perf_counter() < end:
+                sum(range(1000))
+        return x

@@ -25,11 +25,45 @@ def test_train_from_factories(tmp_path):
 
 
 def test_bad_input_is_one_line():
-    r = cli("train", "examples.mlp_job:model", "--data", "examples.mlp_job:data", "--stages", "0,9")
+    r = cli("train", "examples.mlp_job:model", "--data", "examples.mlp_job:data", "--stages", "0,9", "--loss", "mse_loss")
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0 and "below the layer count 7" in r.stderr
-    r = cli("train", "nosuchmodule:model", "--data", "examples.mlp_job:data", "--stages", "0")
+    r = cli("train", "nosuchmodule:model", "--data", "examples.mlp_job:data", "--stages", "0", "--loss", "mse_loss")
     assert r.returncode == 1 and "cannot import 'nosuchmodule'" in r.stderr
+
+
+def test_resume_with_nothing_left_to_train(tmp_path):
+    job = ("train", "examples.mlp_job:model", "--data", "examples.mlp_job:data", "--stages", "0,4", "--loss",
+           "mse_loss", "--batch-size", "16", "--checkpoint-dir", str(tmp_path), "--save", str(tmp_path / "a.pt"))
+    assert cli(*job).returncode == 0
+    r = cli(*job[:-1], str(tmp_path / "b.pt"), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "nothing left to train" in r.stdout and "samples/s" not in r.stdout
+    assert r.stderr.strip().startswith("pipetrain: warning: every requested epoch (up to 0) is already saved")
+    a, b = (torch.load(tmp_path / f, weights_only=True) for f in ("a.pt", "b.pt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_stops_every_worker_in_one_line(tmp_path):
+    """SIGINT to the whole foreground group, as a terminal sends it: one line, exit 130, nothing left."""
+    import signal
+    import time
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
+                             "examples.mlp_job:data", "--stages", "0,4", "--loss", "mse_loss", "--epochs", "1000"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("pipetrain-*/history*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the workers train
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    said = [line for line in err.splitlines() if line.strip() and not line.startswith("pipetrain:  ")]  # bars
+    assert said[-1].startswith("pipetrain train: interrupted; the workers were stopped"), err[-2000:]
+    assert "Traceback" not in err
+    time.sleep(1)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("pipetrain-", "pymp-"))] == []
 
 
 def test_demo_trains_well_above_chance():

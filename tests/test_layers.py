@@ -1,7 +1,6 @@
 """From a model to layers and stages: Sequential children, fx nodes, cuts carrying several tensors."""
 import pytest
 import torch
-from torch import nn
 
 from pipetrain.layers import LayeredModel, LayerError, check_boundaries, flatten
 from pt_models import Residual, Untraceable, mlp

@@ -59,9 +59,11 @@ def test_untraceable_model_says_to_pass_a_sequential():
 def test_non_finite_loss_stops_and_keeps_the_checkpoint(tmp_path):
     train(checkpoint_dir=tmp_path, epochs=1)
     saved = sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(pipetrain.PipetrainError, match="loss is nan at epoch 1 minibatch 0.*checkpoint of epoch 0 .* is kept"):
+    with pytest.raises(pipetrain.PipetrainError, match="loss is nan at epoch 1 minibatch 0.*checkpoint of epoch 0 .* "
+                       "is kept") as failed:
         train(checkpoint_dir=tmp_path, resume=True, epochs=3, loss_fn=nan_loss)
-    assert sorted(p.name for p in tmp_path.iterdir()) == saved
+    assert failed.value.checkpoint_epoch == 0 and failed.value.log.parent == tmp_path  # the tracebacks, beside
+    assert sorted(p.name for p in tmp_path.iterdir() if p != failed.value.log) == saved
 
 
 def with_fault(fault: nn.Module) -> nn.Sequential:
@@ -104,8 +106,9 @@ def _descendants(pid: int) -> set[int]:
 
 
 @pytest.mark.parametrize("strategy", ["pipeline", "pipe-sgd"])
-def test_killing_the_caller_leaves_no_process_behind(strategy):
-    """SIGKILL the process that called train: its workers and the fork server are gone within seconds."""
+def test_killing_the_caller_leaves_no_process_behind(strategy, tmp_path):
+    """SIGKILL the process that called train: its workers and the fork server are gone within seconds,
+    and so are its temporary directories."""
     import os
     import signal
     import subprocess
@@ -119,7 +122,10 @@ def test_killing_the_caller_leaves_no_process_behind(strategy):
             f"    pipetrain.train(mlp(), regression(4096, 4, 3), strategy={strategy!r}, {layout}, "
             "loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=0.01), "
             "batch_size=4, epochs=1000, timeout=60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1])
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "TMPDIR": str(tmp)})
     deadline = time.monotonic() + 60
     while len(_descendants(proc.pid)) < 3 and time.monotonic() < deadline:  # fork server, workers
         time.sleep(0.2)
@@ -132,6 +138,7 @@ def test_killing_the_caller_leaves_no_process_behind(strategy):
     while any(os.path.exists(f"/proc/{p}") and _alive(p) for p in below) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in below if os.path.exists(f"/proc/{p}") and _alive(p)]
+    assert [p.name for p in tmp.iterdir() if p.name.startswith(("pipetrain-", "pymp-"))] == []  # torch's caches stay
 
 
 def _alive(pid: int) -> bool:
@@ -141,3 +148,36 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_diverging_loss_stops_the_run_with_its_history(tmp_path):
+    """Cross entropy on regression targets runs off to minus infinity: stopped as diverged, not a result."""
+    with pytest.raises(pipetrain.PipetrainError, match=r"loss diverged: -1\.\d+e\+04 at epoch \d+ minibatch \d+, "
+                                                       r"from 0\.\d+ at the start") as failed:
+        pipetrain.train(mlp(), regression(256, 4, 3), loss_fn=torch.nn.functional.cross_entropy,
+                        optimizer=functools.partial(torch.optim.SGD, lr=30.0), stages=[0, 4], batch_size=16,
+                        epochs=20, checkpoint_dir=tmp_path)
+    assert failed.value.kind == "error" and len(failed.value.history) > 0
+    assert abs(failed.value.history[-1]["loss"]) < 1e4  # the records before the diverged step
+
+
+def test_resume_from_an_empty_directory_says_it_starts_from_scratch(tmp_path):
+    with pytest.warns(pipetrain.PipetrainWarning, match="holds no complete checkpoint of this job; starting from "
+                                                        "epoch 0"):
+        result = train(checkpoint_dir=tmp_path / "new", resume=True)
+    assert result.epochs_trained == 1
+
+
+class Raises(nn.Module):
+    def forward(self, x):
+        raise ValueError("this layer is broken")
+
+
+def test_an_error_in_a_stage_names_the_stage_and_keeps_the_traceback():
+    with pytest.raises(pipetrain.PipetrainError, match=r"^StageError: stage 1 \(rank 1\): the forward of minibatch "
+                                                       r"0 failed: ValueError: this layer is broken \(tracebacks: "
+                                                       r"(.*\.log)\)$") as failed:
+        train(model=with_fault(Raises()), stages=[0, 2, 5, 7])
+    log = failed.value.log
+    assert "in forward" in log.read_text() and 'raise ValueError("this layer is broken")' in log.read_text()
+    log.unlink()

@@ -352,10 +352,12 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
     data = cfg.spec.dataset(steps * cfg.batch_size, seed=cfg.seed + 1)
     iface = cfg.iface or os.environ.get("GLOO_SOCKET_IFNAME")
     sampler = _TxSampler(iface) if iface and iface != "lo" else None
+    if options.get("strategy", "pipeline") != "pipeline" or options.get("stages") == "auto":
+        options = {**options, "workers": int(os.environ["WORLD_SIZE"])}  # explicit stages place the workers
     try:
         result = pipetrain.train(
             cfg.build(), data, loss_fn=cfg.spec.loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr),
-            workers=int(os.environ["WORLD_SIZE"]), batch_size=cfg.batch_size, epochs=1, shuffle=False,
+            batch_size=cfg.batch_size, epochs=1, shuffle=False,
             seed=cfg.seed, timeout=cfg.timeout_s, threads=cfg.threads, trace=trace, **options)
     finally:
         if sampler:

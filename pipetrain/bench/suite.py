@@ -204,7 +204,8 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
 
     pd_plan, breakdown = None, None
     if "pipedream" in cfg.systems:
-        auto = {"schedule": "pipedream", "stages": cfg.stages or "auto", "bandwidth": cfg.link}
+        auto = {"schedule": "pipedream", "stages": cfg.stages} if cfg.stages else \
+            {"schedule": "pipedream", "stages": "auto", "bandwidth": cfg.link}
         s = job("pipedream", 1, pipetrain_job, (peer, "pipedream", auto, True))
         if s:
             pd_plan, breakdown = s["plan"], s.get("breakdown")
@@ -230,7 +231,7 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
                 job(system, m, torch_pipeline, (peer, split, m, system.removeprefix("torch-")))
             else:
                 job(system, m, pipetrain_job,
-                    (peer, system, {"schedule": system, "stages": split, "microbatches": m, "bandwidth": cfg.link}))
+                    (peer, system, {"schedule": system, "stages": split, "microbatches": m}))
     pd_split = runs["pipedream"][1]["stages"] if "pipedream" in runs else split
     log(f"measuring each stage of {pd_split} alone ({cfg.threads} thread(s), median of {cfg.bound_repeats})")
     stages = stage_times(peer, pd_split, repeats=cfg.bound_repeats)

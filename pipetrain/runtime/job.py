@@ -4,9 +4,11 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from pipetrain.registry import (
     DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, StrategySpec, build_data_parallel, build_schedule, lookup,
 )
 from pipetrain.runtime import checkpoint
-from pipetrain.runtime.launch import keep_freed_memory
+from pipetrain.runtime.launch import keep_freed_memory, loopback_store
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, epoch_order, per_epoch
@@ -49,6 +51,8 @@ class JobConfig:
             one equal shard per worker).
         epochs, shuffle, seed, checkpoint_dir, resume, keep_checkpoints, timeout, threads, trace,
         progress: as given to ``pipetrain.train``.
+        attempt: how many times the job was restarted before this run (0 at first).
+        resume_from: the epoch the workers resume after (set by the checks when ``resume``), or None.
     """
 
     model: nn.Module
@@ -76,12 +80,17 @@ class JobConfig:
     threads: int = 1
     trace: bool = False
     progress: bool = False
+    attempt: int = 0
+    resume_from: int | None = field(default=None, init=False)
     _num_layers: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise ValueError(f"model is a {type(self.model).__name__}, not a torch.nn.Module; pass the model itself")
         spec = self.spec
         self._check_options(spec)
-        if self.batch_size < 1 or self.microbatches < 1 or self.epochs < 1:
+        counts = (self.batch_size, self.microbatches, self.epochs)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts) or min(counts) < 1:
             raise ValueError(f"batch_size, microbatches and epochs must be >= 1 (got {self.batch_size}, "
                              f"{self.microbatches}, {self.epochs})")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 2:
@@ -89,8 +98,18 @@ class JobConfig:
                              "epoch ahead of another, so resuming needs the previous epoch) or None for all")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir (where the workers saved themselves)")
-        if self.timeout <= 0:
+        if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout}: give the seconds a worker waits on a silent peer (> 0)")
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads={self.threads}: give the torch threads per worker, at least 1")
+        for name in ("loss_fn", "optimizer"):
+            if not callable(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not callable; pass a function such as "
+                                 + ("torch.nn.functional.mse_loss" if name == "loss_fn" else
+                                    "functools.partial(torch.optim.SGD, lr=0.1)"))
+        self._check_dataset()
+        if self.checkpoint_dir is not None:
+            _check_writable(Path(self.checkpoint_dir))
         if spec.data_parallel:
             self._check_data_parallel(spec)
         else:
@@ -185,14 +204,34 @@ class JobConfig:
         self._check_items(math.lcm(*self.replicas))
         self._check_checkpoints()
 
+    def _check_dataset(self) -> None:
+        try:
+            n_items, item = len(self.dataset), self.dataset[0]  # type: ignore[arg-type]
+        except Exception as e:  # a dataset raises what it likes; all mean it cannot be used
+            raise ValueError(f"the dataset cannot be read ({type(e).__name__}: {e}); give a map-style dataset "
+                             "(len() and [i]) of (input, target) pairs") from None
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            what = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+            raise ValueError(f"dataset items must be (input, target) pairs, but item 0 is {what}; wrap the dataset "
+                             "so each item is (input, target)")
+        if n_items < 1:
+            raise ValueError("the dataset is empty")
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must have been saved by to be resumed by this job."""
+        layout = {"workers": self.world} if self.data_parallel else {"boundaries": self.boundaries,
+                                                                     "replicas": self.replicas}
+        return {"model": checkpoint.fingerprint(self.model), "strategy": self.strategy, "world": self.world,
+                "layout": layout}
+
     def _check_checkpoints(self) -> None:
-        """A resumed job must find checkpoints this layout and strategy saved (the workers load them)."""
+        """A resumed job resumes after the newest epoch every worker saved whole, for this job."""
         if not self.resume or self.checkpoint_dir is None:
             return
-        done = checkpoint.latest_common_epoch(self.checkpoint_dir, self.world)
-        for rank in range(self.world if done is not None else 0):
-            span = None if self.data_parallel else self.layer_range(self.stage_of(rank), self._num_layers)
-            checkpoint.load(self.checkpoint_dir, rank, done, span, self.strategy)  # type: ignore[arg-type]
+        self.resume_from = checkpoint.resume_epoch(self.checkpoint_dir, self.world, self.identity(), warn)
+        if self.resume_from is None:
+            warn(f"resume=True but {self.checkpoint_dir} holds no complete checkpoint of this job; starting from "
+                 "epoch 0")
 
     def _check_items(self, rounds: int) -> None:
         n_items = len(self.dataset)  # type: ignore[arg-type]
@@ -284,10 +323,25 @@ def _device() -> tuple[torch.device, str]:
 
 
 def init_distributed(timeout: float) -> torch.device:
-    """Join the job's process group (NCCL when this worker has a GPU, else gloo); return the device."""
+    """Join the job's process group (NCCL when this worker has a GPU, else gloo); return the device.
+    Locally launched workers meet on 127.0.0.1 only (:func:`pipetrain.runtime.launch.loopback_store`)."""
     device, backend = _device()
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    if dist.is_initialized():
+        return device
+    rank, world, wait = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timedelta(seconds=timeout)
+    if os.environ.get("PIPETRAIN_SPAWNED") == "1":
+        store = loopback_store(rank, world, int(os.environ["MASTER_PORT"]), timeout)
+    elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # [Note: torchrun restarts] torchrun's default (static) rendezvous hands every restart the same
+        # store, where the previous round's addresses would mislead the new round's process group;
+        # each round meets under its own prefix
+        host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, host, wait)
+        store = dist.PrefixStore(f"pipetrain/round{os.environ['TORCHELASTIC_RESTART_COUNT']}", base)
+    else:
+        dist.init_process_group(backend, timeout=wait)
+        return device
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
     return device
 
 
@@ -310,22 +364,20 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
     assert cfg.replicas is not None
     stage_idx = cfg.stage_of(rank)
     if cfg.data_parallel:
-        span, stage = None, cfg.model.to(device)  # every worker holds the whole model
+        stage = cfg.model.to(device)  # every worker holds the whole model
     else:
         layers = LayeredModel(cfg.model)
-        span = cfg.layer_range(stage_idx, len(layers))
-        stage = layers.stage(*span).to(device)
+        stage = layers.stage(*cfg.layer_range(stage_idx, len(layers))).to(device)
     params = [p for p in stage.parameters() if p.requires_grad]
     optimizer = cfg.optimizer(params) if params else None
-    start, version = 0, 0
-    if cfg.resume and cfg.checkpoint_dir:
-        done = checkpoint.latest_common_epoch(cfg.checkpoint_dir, world)
-        if done is not None:
-            state = checkpoint.load(cfg.checkpoint_dir, rank, done, span, cfg.strategy)
-            stage.load_state_dict(state["model"])
-            if optimizer is not None:
-                optimizer.load_state_dict(state["optimizer"])
-            start, version = done + 1, state["version"]
+    start, version, history = 0, 0, []
+    if cfg.resume_from is not None:
+        state = checkpoint.load(cfg.checkpoint_dir, rank, cfg.resume_from)  # type: ignore[arg-type]
+        stage.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        start, version, history = cfg.resume_from + 1, state["version"], state.get("history", [])
+        _set_rng(state["rng"], device)  # dropout and the like go on as if never stopped
     policy = POLICIES[cfg.policy_name(stage_idx)](stage)
     policy.version = version
     name = describe(cfg.replicas, cfg.data_parallel)
@@ -335,7 +387,9 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
     first = sum(cfg.replicas[:stage_idx])
     worker = Worker(rank, sync.wrap(stage) if sync else stage, policy, optimizer, transport, cfg.dataset,
                     cfg.loss_fn, cfg.batch_size, device, grad_sync=sync, trace=[] if cfg.trace else None,
-                    shard=(rank - first, cfg.replicas[stage_idx]) if cfg.data_parallel else (0, 1))
+                    shard=(rank - first, cfg.replicas[stage_idx]) if cfg.data_parallel else (0, 1),
+                    name=name(rank), attempt=cfg.attempt, log=_history_log(rank) if cfg.reporter(rank) else None)
+    worker.history = [StepRecord(**h) for h in history]
 
     n_items = len(cfg.dataset)  # type: ignore[arg-type]
     k = per_epoch(n_items, cfg.batch_size, cfg.rounds)
@@ -346,7 +400,7 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
         try:
             worker.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
         except NonFiniteLoss as e:
-            kept = checkpoint.latest_common_epoch(cfg.checkpoint_dir, world) if cfg.checkpoint_dir else None
+            kept = epoch - 1 if cfg.checkpoint_dir and epoch > 0 else None
             where = f"the checkpoint of epoch {kept} in {cfg.checkpoint_dir} is kept" if kept is not None \
                 else "no checkpoint was saved"
             raise NonFiniteLoss(f"{e}; training stopped, {where}; lower the learning rate") from None
@@ -355,8 +409,9 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
         if cfg.checkpoint_dir:
             checkpoint.save(cfg.checkpoint_dir, rank, epoch, {
                 "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
-                "epoch": epoch, "version": policy.version, "layers": None if span is None else list(span),
-                "strategy": cfg.strategy}, keep=cfg.keep_checkpoints)
+                "epoch": epoch, "version": policy.version, "rng": _rng(device),
+                "history": [asdict(h) for h in worker.history] if cfg.reporter(rank) else []},
+                cfg.identity(), keep=cfg.keep_checkpoints)
     if bar:
         bar.close()
     if sync:
@@ -403,3 +458,43 @@ def _progress(cfg: JobConfig, rank: int, total: int) -> Any:
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks on a hard exit
     return tqdm(total=total, desc="pipetrain", unit="mb", dynamic_ncols=True)
+
+
+def _rng(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random state (CPU, and the GPU's when the worker has one)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class PipetrainWarning(UserWarning):
+    """Something the user should know that does not stop the job (a damaged checkpoint skipped, ...)."""
+
+
+def warn(message: str) -> None:
+    warnings.warn(message, PipetrainWarning, stacklevel=2)
+
+
+def _check_writable(directory: Path) -> None:
+    """Checkpoints can be written in ``directory`` (made if missing), or a one-line ValueError."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".pipetrain-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"checkpoint_dir {str(directory)!r} is not usable ({e.strerror or type(e).__name__}); give a "
+                         "directory this user can write to") from None
+
+
+def _history_log(rank: int) -> Path | None:
+    """Where a locally launched reporter streams its history, so a failed run keeps it."""
+    workdir = os.environ.get("PIPETRAIN_WORKDIR")
+    return Path(workdir) / f"history{rank}.jsonl" if workdir else None

@@ -10,15 +10,21 @@ others are stopped at once and the first failure's one-line message is raised in
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import pickle
+import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,22 @@ import torch
 
 
 class PipetrainError(RuntimeError):
-    """A job failed; the message says which worker and why."""
+    """A job failed; the message says which worker and why.
+
+    Attributes:
+        kind: ``"error"`` (a worker raised: its own error, such as a bad loss), ``"died"`` (a worker
+            ended without one: killed, crashed) or ``"silent"`` (a worker stopped showing signs of life).
+        rank: the worker the message is about, or None.
+        log: the file holding every failed worker's traceback, or None.
+        history: what the run had recorded (``TrainResult.history`` records) when it failed.
+        checkpoint_epoch: the newest epoch every worker saved, or None.
+    """
+
+    def __init__(self, message: str, kind: str = "error", rank: int | None = None, log: Path | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.rank, self.log = kind, rank, log
+        self.history: list[dict[str, Any]] = []
+        self.checkpoint_epoch: int | None = None
 
 
 def under_torchrun() -> bool:
@@ -40,15 +61,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_caller(caller: int) -> None:
+def _die_with_caller(caller: int, leftovers: tuple[str, ...]) -> None:
     """End this worker when the process that called ``spawn`` dies (even by SIGKILL), so a killed job
     leaves no workers behind; elsewhere than Linux the workers' own timeouts end them.
 
     [Note: orphans] A worker's parent is the fork server, not the caller, and every worker holds the
     fork server's "caller alive" pipe open (multiprocessing passes it on so workers could start
     processes of their own), so the fork server outlives a killed caller while workers run. So a
-    thread waits on a pidfd of the caller and ends the worker when it exits; then the fork server sees
-    the pipe close and exits too. The parent-death signal covers the fork server itself dying.
+    thread waits on a pidfd of the caller and ends the worker when it exits (removing the caller's
+    temporary directories, ours and multiprocessing's, which it can no longer remove); then the fork
+    server sees the pipe close and exits too. The parent-death signal covers the fork server itself dying.
     """
     try:
         import ctypes
@@ -61,6 +83,8 @@ def _die_with_caller(caller: int) -> None:
 
     def watch() -> None:
         select.select([fd], [], [])  # readable once the caller has exited
+        for d in leftovers:
+            shutil.rmtree(d, ignore_errors=True)
         os._exit(1)
     threading.Thread(target=watch, daemon=True, name="pipetrain-caller-watch").start()
 
@@ -85,18 +109,40 @@ def keep_freed_memory() -> None:
         pass
 
 
-def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, caller: int) -> None:
-    _die_with_caller(caller)
+HEARTBEAT_S = 0.5
+"""How often a locally launched worker shows it is alive (a thread touching a file)."""
+
+
+def _heartbeat(beat: Path) -> None:
+    """Touch ``beat`` every HEARTBEAT_S from a thread: a stopped process stops touching it, a slow one
+    does not (torch releases the GIL while it computes)."""
+    def loop() -> None:
+        while True:
+            try:
+                beat.touch()
+            except OSError:  # the caller is gone and took the directory: this process is ending
+                return
+            time.sleep(HEARTBEAT_S)
+    beat.touch()
+    threading.Thread(target=loop, daemon=True, name="pipetrain-heartbeat").start()
+
+
+def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, caller: int, mp_dir: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it stops the workers
+    _die_with_caller(caller, (workdir, mp_dir))
+    _heartbeat(Path(workdir) / f"alive{rank}")
     keep_freed_memory()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1", PIPETRAIN_WORKDIR=workdir)
     code = 0
     try:
         fn, args = pickle.loads(payload)
         torch.save(fn(*args), Path(workdir) / f"result{rank}.pt")
     except BaseException as e:  # noqa: BLE001 - reported to the parent, then the process ends
         msg = f"{type(e).__name__}: {e}" if not isinstance(e, PipetrainError) else str(e)
-        (Path(workdir) / f"error{rank}.txt").write_text(msg.strip().splitlines()[0] + "\n" + traceback.format_exc())
+        with contextlib.suppress(OSError):  # the caller may be gone already, with the directory
+            (Path(workdir) / f"error{rank}.txt").write_text(msg.strip().splitlines()[0] + "\n" +
+                                                            traceback.format_exc())
         code = 1
     # [Note: hard exit] communication threads may sit in a blocking recv on a dead peer; a normal
     # interpreter exit would wait on process-group teardown, so leave without it.
@@ -104,41 +150,74 @@ def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, calle
 
 
 def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[int], str] = "rank {}".format,
-          poll_s: float = 0.05) -> list[Any]:
+          poll_s: float = 0.05, silent_after: float | None = None,
+          log_dir: str | os.PathLike | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``world`` processes with RANK/WORLD_SIZE set; return each rank's result.
 
     Results travel through ``torch.save``/``torch.load(weights_only=True)``: plain data and tensors.
+    Each worker shows a sign of life every HEARTBEAT_S; one that shows none for ``silent_after``
+    seconds (stopped, hung) is named and the job stopped. The rendezvous listens on 127.0.0.1 only,
+    on a free port.
 
     Raises:
-        PipetrainError: a worker raised (its first line is the message) or died.
+        PipetrainError: a worker raised (its first line is the message), died or went silent; every
+            failed worker's traceback is kept in a file under ``log_dir`` (default: the temporary
+            directory) that the message names, and the history the workers streamed rides along.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "pipetrain"])  # once per caller process
-    port = _free_port()
     # [Note: pickle by value] multiprocessing pickles Process arguments with torch's reducers, which
     # move tensors to shared memory: every worker, and the caller's model, would then update one
     # copy of the weights. Plain pickle gives each worker its own copy.
     payload = pickle.dumps((fn, args))
-    with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
-        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, payload, os.getpid()), daemon=False)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
+    for attempt in range(PORT_TRIES):
         try:
+            return _spawn_once(ctx, payload, world, _free_port(), describe, poll_s, silent_after, log_dir)
+        except PipetrainError as e:
+            if _PORT_TAKEN not in str(e) or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_TRIES = 3
+"""Rendezvous ports tried when another program takes the free port before rank 0 binds it."""
+_PORT_TAKEN = "on 127.0.0.1 is in use"
+
+
+def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Callable[[int], str], poll_s: float,
+                silent_after: float | None, log_dir: str | os.PathLike | None) -> list[Any]:
+    with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
+        mp_dir = multiprocessing.util.get_temp_dir()  # the fork server's socket lives there
+        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, payload, os.getpid(), mp_dir),
+                             daemon=False) for r in range(world)]
+        started = []
+        try:
+            for r, p in enumerate(procs):
+                try:
+                    p.start()
+                except OSError as e:  # the new process was killed before it read its task
+                    raise PipetrainError(f"{describe(r)} died while starting ({e.strerror or e})", "died", r) from None
+                started.append(p)
             while any(p.exitcode is None for p in procs):
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
-                    raise PipetrainError(_failure(workdir, failed, procs, describe))
+                    raise _failure(workdir, failed, procs, describe, log_dir)
+                silent = _silent(workdir, procs, silent_after)
+                if silent is not None:
+                    rank, age = silent
+                    raise _with_history(PipetrainError(
+                        f"{describe(rank)} went silent: no sign of life for {age:.0f}s (stopped, or stuck in code "
+                        "that holds the GIL); the other workers were stopped", "silent", rank), workdir)
                 time.sleep(poll_s)
             failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
             if failed:
-                raise PipetrainError(_failure(workdir, failed, procs, describe))
+                raise _failure(workdir, failed, procs, describe, log_dir)
             return [torch.load(Path(workdir) / f"result{r}.pt", weights_only=True) for r in range(world)]
         finally:
-            for p in procs:
+            for p in started:
                 if p.exitcode is None:
                     p.kill()
-            for p in procs:
+            for p in started:
                 p.join(10)
 
 
@@ -146,15 +225,80 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[i
 _COMPLAINTS = ("went silent", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
-def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[int], str]) -> str:
-    """The message of the most telling failure: a worker's own error, then a worker that died
-    without one (killed, crashed), then a neighbour's complaint about a lost peer."""
-    messages, rank = {}, {}
+def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[int], str],
+             log_dir: str | os.PathLike | None) -> PipetrainError:
+    """The most telling failure: a worker that died without an error (killed, crashed: the others'
+    errors follow from it), then a worker's own error, then a neighbour's complaint about a lost peer;
+    the tracebacks kept in a file."""
+    messages, order, texts = {}, {}, []
     for r in failed:
         f = Path(workdir) / f"error{r}.txt"
         if f.exists():
-            messages[r] = f.read_text().splitlines()[0]
-            rank[r] = 2 if any(c in messages[r] for c in _COMPLAINTS) else 0
+            text = f.read_text()
+            messages[r] = text.splitlines()[0]
+            order[r] = 2 if any(c in messages[r] for c in _COMPLAINTS) else 1
+            texts.append(f"== {describe(r)}\n{text}")
         else:
-            messages[r], rank[r] = f"{describe(r)} died with exit code {procs[r].exitcode}", 1
-    return messages[min(failed, key=lambda r: (rank[r], r))]
+            code = procs[r].exitcode
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"died with exit code {code}"
+            messages[r], order[r] = f"{describe(r)} {how}", 0
+    rank = min(failed, key=lambda r: (order[r], r))
+    log = None
+    if texts:
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        log = Path(log_dir or tempfile.gettempdir()) / f"pipetrain-failure-{stamp}.log"
+        try:
+            log.write_text("\n".join(texts))
+        except OSError:
+            log = None
+    message = messages[rank] + (f" (tracebacks: {log})" if log else "")
+    return _with_history(PipetrainError(message, ("died", "error", "died")[order[rank]], rank, log), workdir)
+
+
+def _silent(workdir: str, procs: list, after: float | None) -> tuple[int, float] | None:
+    """The first running worker whose heartbeat is older than ``after`` seconds, and its age."""
+    if after is None:
+        return None
+    now = time.time()
+    for r, p in enumerate(procs):
+        beat = Path(workdir) / f"alive{r}"
+        if p.exitcode is None and beat.exists() and now - beat.stat().st_mtime > after:
+            return r, now - beat.stat().st_mtime
+    return None
+
+
+def _with_history(error: PipetrainError, workdir: str) -> PipetrainError:
+    """Attach the history records the workers streamed to ``workdir`` (the reporters' JSON lines)."""
+    records = []
+    for f in sorted(Path(workdir).glob("history*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # the last line of a worker killed while writing it
+                pass
+    error.history = sorted(records, key=lambda h: h["step"])
+    return error
+
+
+def loopback_store(rank: int, world: int, port: int, timeout: float) -> Any:
+    """The rendezvous of locally launched workers: rank 0 serves it on 127.0.0.1 only (torch's own
+    would listen on every interface).
+
+    Raises:
+        PipetrainError: the port was taken between picking it and binding it.
+    """
+    import torch.distributed as dist
+
+    wait = timedelta(seconds=timeout)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world, False, wait)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as e:
+        raise PipetrainError(f"port {port} {_PORT_TAKEN} ({e.strerror}): another program took it after pipetrain "
+                             f"picked it, {PORT_TRIES} times; free some ports or run the job again") from None
+    sock.listen()
+    # detach: the store owns the listening socket from now on (a collected socket object would close it)
+    return dist.TCPStore("127.0.0.1", port, world, True, wait, master_listen_fd=sock.detach())

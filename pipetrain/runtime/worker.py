@@ -1,10 +1,13 @@
 """One worker: executes its action list with real tensors. It never decides order; the schedule does."""
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +23,15 @@ from pipetrain.strategies.base import GradSync, Weights
 
 
 class NonFiniteLoss(FloatingPointError):
-    """The loss became NaN or infinite; training stops and the last checkpoint is kept."""
+    """The loss became NaN or infinite, or diverged; training stops and the last checkpoint is kept."""
+
+
+class StageError(RuntimeError):
+    """The user's model, loss or data failed inside a worker; the message says which worker and minibatch."""
+
+
+DIVERGED = 1e4
+"""A loss whose magnitude grows past this many times its first value (or 1) has diverged."""
 
 
 def epoch_order(n_items: int, batch_size: int, epoch: int, shuffle: bool, seed: int, multiple: int) -> list[list[int]]:
@@ -53,12 +64,16 @@ class _InFlight:
 
 @dataclass
 class StepRecord:
+    """One optimizer update, as ``TrainResult.history`` lists it; ``attempt`` counts the restarts
+    before the run that made it."""
+
     step: int
     epoch: int
     loss: float
     samples: int
     samples_per_s: float
     time: float
+    attempt: int = 0
 
 
 @dataclass
@@ -77,6 +92,9 @@ class Worker:
             worker).
         shard: (i, r): take the i-th of r equal consecutive parts of every minibatch (data
             parallelism); (0, 1) takes all of it.
+        name: how errors name this worker (e.g. ``"stage 1 (rank 1)"``).
+        attempt: restarts before this run, recorded in the history.
+        log: a file each history record is also appended to (JSON lines), or None.
     """
 
     rank: int
@@ -91,6 +109,9 @@ class Worker:
     grad_sync: GradSync | None = None
     trace: list[tuple[str, float, float]] | None = None
     shard: tuple[int, int] = (0, 1)
+    name: str = "worker"
+    attempt: int = 0
+    log: Path | None = None
     history: list[StepRecord] = field(default_factory=list)
     _flight: dict[tuple[int, int | None], _InFlight] = field(default_factory=dict)
     _inbox: dict[tuple[int, int | None], Message] = field(default_factory=dict)
@@ -98,6 +119,8 @@ class Worker:
     _losses: dict[int, float] = field(default_factory=dict)
     _collated: dict[tuple[int, int], Any] = field(default_factory=dict)
     _syncing: dict[int, Weights] = field(default_factory=dict)  # mb -> the weights its backward used, until S
+    _shapes: dict[int, Any] = field(default_factory=dict)  # part -> the shapes of the first minibatch's part
+    _first_loss: float | None = None
 
     def run_epoch(self, schedule: Schedule, epoch: int, batches: list[list[int]], mb_offset: int,
                   on_step: Callable[[StepRecord], None] | None = None) -> None:
@@ -152,7 +175,15 @@ class Worker:
             items = self._batches[mb]
             i, r = self.shard
             size = len(items) // r
-            self._collated[key] = default_collate([self.dataset[j][part] for j in items[i * size:(i + 1) * size]])
+            with self._blame(f"collating the dataset's items into minibatch {mb}"):
+                value = default_collate([self.dataset[j][part] for j in items[i * size:(i + 1) * size]])
+            shapes = _shapes(value)
+            first = self._shapes.setdefault(part, shapes)
+            if shapes != first:
+                what = "inputs" if part == 0 else "targets"
+                raise StageError(f"{self.name}: minibatch {mb}'s {what} have shape {shapes} but the first "
+                                 f"minibatch's had {first}; give every item the same shape (pad or resize)")
+            self._collated[key] = value
         return self._collated[key]
 
     def _forward(self, a: Action) -> None:
@@ -166,7 +197,7 @@ class Worker:
             inputs = [t.requires_grad_() if t.is_floating_point() else t for t in msg.tensors]
             x = unflatten(inputs, msg.is_tuple)
         weights = self.policy.forward_weights(a.mb, tag)
-        with torch.set_grad_enabled(not self.policy.recompute):
+        with torch.set_grad_enabled(not self.policy.recompute), self._blame(f"the forward of minibatch {a.mb}"):
             # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
             out = self.stage(x) if weights is self.policy.params else functional_call(self.stage, weights, (x,))
         flight = _InFlight(inputs, out, raw_input=x)
@@ -175,7 +206,7 @@ class Worker:
             if self.policy.recompute:
                 flight.outputs = None
             else:
-                flight.loss = self.loss_fn(out, target) / self._sched.microbatches
+                flight.loss = self._loss(out, target, a.mb) / self._sched.microbatches
             flight.raw_input = (x, target)
         else:
             tensors, is_tuple = flatten(out)
@@ -192,24 +223,26 @@ class Worker:
             self._syncing[a.mb] = weights
         if self.policy.recompute:  # naive: forward again with the weights current now
             x = f.raw_input[0] if self._last else f.raw_input
-            out = functional_call(self.stage, weights, (x,))
+            with self._blame(f"the forward of minibatch {a.mb}"):
+                out = functional_call(self.stage, weights, (x,))
             if self._last:
-                f.loss = self.loss_fn(out, f.raw_input[1]) / self._sched.microbatches
+                f.loss = self._loss(out, f.raw_input[1], a.mb) / self._sched.microbatches
             f.outputs = out
         if self._last:
             loss = f.loss
             assert loss is not None
             value = float(loss.detach()) * self._sched.microbatches
-            if not math.isfinite(value):
-                raise NonFiniteLoss(f"loss is {value} at epoch {self._epoch} minibatch {a.mb}")
+            self._check_loss(value, a.mb)
             self._losses[a.mb] = self._losses.get(a.mb, 0.0) + value / self._sched.microbatches
-            loss.backward()
+            with self._blame(f"the backward of minibatch {a.mb}"):
+                loss.backward()
         else:
             grads = self._inbox.pop(key).tensors
             outs = [t for t in flatten(f.outputs)[0] if t.is_floating_point()]
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                with self._blame(f"the backward of minibatch {a.mb}"):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if not self._first:
             floats = [t for t in f.inputs if t.is_floating_point()]
             grads_in = [torch.zeros_like(t) if t.grad is None else t.grad for t in floats]
@@ -221,6 +254,39 @@ class Worker:
         if last_micro and self.grad_sync is None:  # else at the S action, once the sync is done
             self.policy.after_backward(a.mb)
 
+    @contextlib.contextmanager
+    def _blame(self, what: str) -> Iterator[None]:
+        """Name this worker and ``what`` it was doing in an error of the user's model."""
+        try:
+            yield
+        except (StageError, NonFiniteLoss):
+            raise
+        except Exception as e:  # the user's code may raise anything
+            raise StageError(f"{self.name}: {what} failed: {type(e).__name__}: {_first_line(e)}") from e
+
+    def _loss(self, out: Any, target: Any, mb: int) -> torch.Tensor:
+        """``loss_fn(out, target)``, which must be a scalar; errors say what the model gave it."""
+        try:
+            loss = self.loss_fn(out, target)
+        except Exception as e:  # the user's loss may raise anything
+            raise StageError(f"{self.name}: loss_fn(output, target) failed on minibatch {mb}: {type(e).__name__}: "
+                             f"{_first_line(e)} (the model returned {_describe(out)}, the target is "
+                             f"{_describe(target)})") from e
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise StageError(f"{self.name}: loss_fn returned {_describe(loss)} for minibatch {mb}, not a scalar "
+                             "tensor; reduce it (e.g. reduction='mean')")
+        return loss
+
+    def _check_loss(self, value: float, mb: int) -> None:
+        """Stop on a NaN or infinite loss, or one that diverged from its first value."""
+        if not math.isfinite(value):
+            raise NonFiniteLoss(f"loss is {value} at epoch {self._epoch} minibatch {mb}")
+        if self._first_loss is None:
+            self._first_loss = value
+        if abs(value) > DIVERGED * max(abs(self._first_loss), 1.0):
+            raise NonFiniteLoss(f"loss diverged: {value:.3g} at epoch {self._epoch} minibatch {mb}, from "
+                                f"{self._first_loss:.3g} at the start (is the loss right for these targets?)")
+
     def _update(self, a: Action) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
@@ -230,10 +296,35 @@ class Worker:
         if self._last:
             # one record per minibatch: a replica of the output stage records its own minibatches
             now = time.perf_counter()
-            self.history.append(StepRecord(self._offset + a.mb + 1, self._epoch, self._losses.pop(a.mb),
-                                           self.batch_size, self.batch_size / max(now - self._last_step_t, 1e-9),
-                                           now))
+            record = StepRecord(self._offset + a.mb + 1, self._epoch, self._losses.pop(a.mb), self.batch_size,
+                                self.batch_size / max(now - self._last_step_t, 1e-9), now, self.attempt)
+            self.history.append(record)
+            if self.log is not None:
+                with open(self.log, "a") as f:
+                    f.write(json.dumps(asdict(record)) + "\n")
             self._last_step_t = now
+
+
+def _shapes(value: Any) -> Any:
+    """The shapes in a collated value (a tensor, or nested tuples/lists/dicts of tensors)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, dict):
+        return {k: _shapes(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return tuple(_shapes(v) for v in value)
+    return type(value).__name__
+
+
+def _describe(value: Any) -> str:
+    """A value in a few words: a tensor's shape and dtype, else its type."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
+    return f"a {type(value).__name__}"
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
 
 
 def _to(value: Any, device: torch.device) -> Any:
