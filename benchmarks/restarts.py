@@ -9,7 +9,8 @@ a seeded generator), with ``max_restarts=--kills`` and a checkpoint every epoch.
 kills injected, restarts made, epochs redone (updates trained again / updates per epoch), the largest
 difference between the final weights of the two runs, and the time lost per restart: (wall time with
 kills - wall time without) / restarts, of which the redone updates take (redone updates x the
-uninterrupted run's seconds per update); the rest is noticing the failure and starting the workers.
+uninterrupted run's seconds per update); the rest is noticing the failure and starting the workers;
+and how long after a kill the launcher saw the failure (median).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -114,11 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         step_s = clean["wall_s"] / clean["steps"]
         redone = sum(r["redone_steps"] for r in hurt["restarts"])
         n = max(1, len(hurt["restarts"]))
+        # from each kill to the launcher seeing the failure (the first failure seen after it)
+        noticed = [min(x - k for x in hurt["restarted"] if x >= k) for k in hurt["killed"]
+                   if any(x >= k for x in hurt["restarted"])]
         row = {"layout": layout, "kills": len(hurt["killed"]), "restarts": len(hurt["restarts"]),
                "epochs_redone": redone / (clean["steps"] / args.epochs), "max_weight_diff": diff,
                "wall_clean_s": clean["wall_s"], "wall_killed_s": hurt["wall_s"],
                "lost_per_restart_s": (hurt["wall_s"] - clean["wall_s"]) / n,
                "redone_per_restart_s": redone * step_s / n,
+               "noticed_median_s": statistics.median(noticed) if noticed else None,
                "resumed_after": [r["resumed_after_epoch"] for r in hurt["restarts"]],
                "errors": [r["error"] for r in hurt["restarts"]], "kill_s": hurt["killed"],
                "failure_seen_s": hurt["restarted"]}
@@ -126,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layout}: {row['kills']} kills, {row['restarts']} restarts (resumed after epochs "
               f"{row['resumed_after']}), {row['epochs_redone']:.2f} epochs redone, max |dw| {diff:.1e}, "
               f"{row['wall_clean_s']:.1f} s clean vs {row['wall_killed_s']:.1f} s killed: "
-              f"{row['lost_per_restart_s']:.1f} s lost per restart ({row['redone_per_restart_s']:.1f} s redoing updates)",
+              f"{row['lost_per_restart_s']:.2f} s lost per restart ({row['redone_per_restart_s']:.2f} s redoing updates), "
+              f"failure noticed {1000 * (row['noticed_median_s'] or 0):.0f} ms after a kill (median)",
               flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
