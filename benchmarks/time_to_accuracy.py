@@ -46,7 +46,7 @@ Time to target: the first epoch end at which held-out accuracy reaches ``--targe
 ``--also`` adds a second, default 90%); "-" when never reached. With several seeds the table gives
 medians over the seeds that reached it and says how many did. Writes ``--json`` and ``--png``
 (``--png none``: no plot). Runs during which other processes were busy are repeated; see
-[Note: foreign load].
+[Note: foreign load] in ``pipetrain/bench/load.py``.
 """
 from __future__ import annotations
 
@@ -54,10 +54,10 @@ import argparse
 import copy
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -73,6 +73,7 @@ from torch.utils.data import Dataset, default_collate
 
 import pipetrain
 from pipetrain import data, zoo
+from pipetrain.bench.load import LoadSampler, quietly
 from pipetrain.bench.suite import PIPE_SGD
 from pipetrain.runtime.launch import spawn
 from pipetrain.runtime.worker import epoch_order
@@ -249,95 +250,33 @@ def time_to(run: Run, target: float) -> float | None:
 
 
 # -- load on the machine -------------------------------------------------------------------------
-# [Note: foreign load] Other engineers' processes share the 2 cores, outside the benchmark lock.
-# Time-slicing with them stretches wall-clock times, by different amounts for different runs. So each
-# run records the cores' worth of CPU that processes outside this benchmark used meanwhile (the whole
-# machine's busy time from /proc/stat minus this process and its reaped children), and before each
-# run the script waits (up to --wait-quiet seconds) for the others to go below QUIET_CORES, and a run
-# during which they used more is repeated (up to --attempts), keeping the quietest (see ``measure``).
-QUIET_CORES = 0.3
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all cores); nan where /proc/stat is missing."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return float("nan")
-    return (sum(v[:8]) - v[3] - v[4]) / _TICK  # minus idle and iowait
-
-
-def _own_s() -> float:
-    """CPU seconds of this process and all it started: its children that have been waited for, and
-    the living ones with theirs (pipetrain's workers are children of its fork server, a living child
-    of this process, which waits for them: /proc/PID/stat's utime, stime, cutime and cstime)."""
-    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime + _living_children_s()
-
-
-def _living_children_s() -> float:
-    total, me = 0, str(os.getpid())
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == me:  # ppid
-            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-    return total / _TICK
-
-
-class Foreign:
-    """``with Foreign() as f: ...``; then ``f.cores``: other processes' CPU use meanwhile, in cores."""
-
-    def __enter__(self) -> "Foreign":
-        self._t, self._b, self._o = time.perf_counter(), _busy_s(), _own_s()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dt = time.perf_counter() - self._t
-        self.cores = max(0.0, (_busy_s() - self._b) - (_own_s() - self._o)) / max(dt, 1e-9)
-
-
-def wait_quiet(max_s: float) -> float:
-    """Wait up to ``max_s`` seconds for other processes to use < QUIET_CORES over 0.5 s; return their use."""
-    deadline = time.monotonic() + max_s
-    while True:
-        with Foreign() as f:
-            time.sleep(0.5)
-        if not f.cores >= QUIET_CORES or time.monotonic() >= deadline:
-            return f.cores
-
-
+# Other engineers' processes share the 2 cores, outside the benchmark lock; see [Note: foreign load]
+# in pipetrain/bench/load.py. Before each run the script waits (up to --wait-quiet seconds) for them
+# to go below QUIET_CORES, and a run during which they used more is repeated (up to --attempts),
+# keeping the quietest.
 def measure(system: str, model: nn.Module, train_set: Dataset, s: Setting, seed: int,
             args: argparse.Namespace) -> Run:
     """One system's run, repeated (up to ``args.attempts``) while other processes used >= QUIET_CORES;
     the quietest attempt is kept. Every attempt computes the same thing: only its timing differs."""
-    best: Run | None = None
-    for attempt in range(args.attempts):
-        if args.wait_quiet:
-            wait_quiet(args.wait_quiet)
+    tries = itertools.count(1)
+
+    def attempt(_: LoadSampler) -> Run:
         before = torch.get_num_threads()
-        with Foreign() as load:
-            if system == "sequential":
-                run = run_sequential(model, train_set, s, seed, args.seq_threads)
-            elif system == "ddp":
-                run = run_ddp(model, train_set, s, seed, args.threads, args.timeout)
-            else:
-                run = run_pipetrain(system, model, train_set, s, seed, args.threads, args.timeout)
+        if system == "sequential":
+            run = run_sequential(model, train_set, s, seed, args.seq_threads)
+        elif system == "ddp":
+            run = run_ddp(model, train_set, s, seed, args.threads, args.timeout)
+        else:
+            run = run_pipetrain(system, model, train_set, s, seed, args.threads, args.timeout)
         torch.set_num_threads(before)
-        run.foreign_cores, run.attempts = load.cores, attempt + 1
-        if best is None or run.foreign_cores < best.foreign_cores:
-            best = run
-        if not run.foreign_cores >= QUIET_CORES:
-            break
-        print(f"  ({s.name} seed {seed} {system}: other processes used {run.foreign_cores:.2f} cores; "
-              f"{'retrying' if attempt + 1 < args.attempts else 'keeping the quietest attempt'})", flush=True)
-    assert best is not None
-    return best
+        run.attempts = next(tries)
+        return run
+
+    # no sampling thread: the sequential system runs in this process; quiet means 0.5 s below QUIET_CORES
+    run, cores = quietly(attempt, args.attempts, args.wait_quiet, f"{s.name} seed {seed} {system}", period=None,
+                         window_s=0.5)
+    run.foreign_cores = cores
+    return run
 
 
 # -- reporting ------------------------------------------------------------------------------------

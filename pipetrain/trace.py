@@ -1,4 +1,5 @@
-"""Per-worker traces -> a Chrome trace JSON and a PNG timeline (PipeDream Figure 8 style).
+"""Per-worker traces -> a Chrome trace JSON and a PNG timeline (PipeDream Figure 8 style), and the
+numbers read off a trace (action durations, time per action kind, optimizer-step rates, message delivery).
 
 A trace is, per worker (rank), a list of ``(action_text, start_s, end_s)`` records: what
 ``pipetrain.train(..., trace=True)`` returns in ``result.traces`` (``time.perf_counter`` seconds) and
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from pathlib import Path
 
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SYNC, UPDATE, Action,
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, SYNC, UPDATE, Action, Schedule,
 )
 
 Record = tuple[str, float, float]
@@ -156,3 +158,65 @@ def draw_timeline(traces: Traces, path: str | os.PathLike, title: str = "",
               bbox_to_anchor=(0.5, -below), ncol=len(used), frameon=False, fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+# -- reading traces -------------------------------------------------------------------------------------
+def durations(records: Sequence[Record], kind: str, minibatches: Container[int] | None = None) -> list[float]:
+    """Seconds of each ``kind`` action (``"F"``, ``"U"``, ...) in one rank's records, in order.
+
+    Args:
+        records: one rank's ``(action_text, start_s, end_s)`` records.
+        kind: an action kind (:data:`pipetrain.schedule.actions.KINDS`).
+        minibatches: only actions of these minibatch ids (e.g. ``range(6, 46)``); None: all.
+    """
+    return [e - s for text, s, e in records
+            if (a := Action.parse(text)).kind == kind and (minibatches is None or a.mb in minibatches)]
+
+
+def seconds_by_kind(records: Sequence[Record], start: float = -math.inf, end: float = math.inf) -> dict[str, float]:
+    """Seconds one rank spent in each action kind inside ``[start, end]`` (records cut to the window).
+
+    Kinds with no time in the window are absent. A receive's seconds include its wait.
+    """
+    out: dict[str, float] = defaultdict(float)
+    for text, s, e in records:
+        inside = min(e, end) - max(s, start)
+        if inside > 0:
+            out[Action.parse(text).kind] += inside
+    return dict(out)
+
+
+def update_ends(records: Sequence[Record]) -> list[float]:
+    """When each optimizer step (``U``) of one rank's records ended, in order."""
+    return [e for text, _, e in records if Action.parse(text).kind == UPDATE]
+
+
+def step_rates(traces: Traces, batch_size: int) -> list[float]:
+    """Samples/s of each optimizer step of the last rank (the output stage, on one worker): the batch
+    size over the time since its previous step ended, or since the first record of any rank began.
+    Ranks must share a clock (one host, or a simulated trace)."""
+    ends = update_ends(traces[-1])
+    start = min(t[0][1] for t in traces if t)
+    return [batch_size / (b - a) for a, b in zip([start, *ends], ends)]
+
+
+def deliveries(traces: Traces, schedule: Schedule) -> list[float]:
+    """Seconds from each send starting to its receive returning, for the messages whose receiver was
+    already waiting (so the time is the transport's, not the receiver's lateness).
+
+    Args:
+        traces: per rank, the records of a run of ``schedule`` whose ranks share a clock (one host).
+        schedule: what ran; it says which rank each send goes to.
+    """
+    received: dict[tuple[int | None, str, int, int | None], tuple[float, float]] = {
+        (w, a.kind, a.mb, a.micro): (s, e) for w, t in enumerate(traces) for text, s, e in t
+        if (a := Action.parse(text)).kind in SENDS.values()}
+    out = []
+    for w, t in enumerate(traces):
+        for text, s, _ in t:
+            a = Action.parse(text)
+            if a.kind in SENDS:
+                recv = received.get((schedule.peer(w, a), SENDS[a.kind], a.mb, a.micro))
+                if recv is not None and recv[0] < s:
+                    out.append(recv[1] - s)
+    return out

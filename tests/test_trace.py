@@ -7,7 +7,9 @@ import pytest
 
 from pipetrain.registry import build_schedule
 from pipetrain.simulate import simulate
-from pipetrain.trace import aligned, draw_timeline, write_chrome_trace
+from pipetrain.trace import (
+    aligned, deliveries, draw_timeline, durations, seconds_by_kind, step_rates, update_ends, write_chrome_trace,
+)
 from test_simulate import equal_profile
 
 # two ranks whose clocks have different origins, as perf_counter on two hosts
@@ -54,3 +56,27 @@ def test_png_timeline_written_for_runtime_and_simulated_traces(tmp_path):
 def test_bad_action_text_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="cannot parse action"):
         write_chrome_trace([[("X0", 0.0, 1.0)]], tmp_path / "t.json")
+
+
+def test_durations_seconds_by_kind_and_step_rates():
+    records = RUNTIME_LIKE[0]
+    assert durations(records, "F") == pytest.approx([0.001])
+    assert durations(records, "RB", minibatches=range(1, 5)) == []
+    by_kind = seconds_by_kind(records, 100.0005, 100.005)
+    assert by_kind == pytest.approx({"F": 0.0005, "SF": 0.0001, "RB": 0.0029, "B": 0.001})
+    assert update_ends(records) == [100.0061]
+    sim = simulate(build_schedule("gpipe", [1, 1], 4, 2), equal_profile(4), [0, 2], batch_size=8)
+    ends = update_ends(sim.trace[-1])
+    rates = step_rates(sim.trace, 8)
+    assert len(rates) == 4 and rates[-1] == pytest.approx(8 / (ends[-1] - ends[-2]))
+
+
+def test_deliveries_pair_each_send_with_its_waiting_receive():
+    """Rank 1 waits for F0 from 7.0; it is sent at 7.0005 and arrives at 7.0012. B0's gradient is
+    received by a rank that was not yet waiting, so it does not count."""
+    schedule = build_schedule("model-parallel", [1, 1], 1)
+    traces = [[("F0", 7.0, 7.0005), ("SF0", 7.0005, 7.0006), ("RB0", 7.005, 7.006), ("B0", 7.006, 7.007),
+               ("U0", 7.007, 7.0071)],
+              [("RF0", 7.0, 7.0012), ("F0", 7.0012, 7.0022), ("B0", 7.0022, 7.0042), ("SB0", 7.0042, 7.0043),
+               ("U0", 7.0043, 7.0044)]]
+    assert deliveries(traces, schedule) == pytest.approx([0.0007])

@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.bench.load import machine_busy_s
 from pipetrain.layers import LayeredModel, check_boundaries
+from pipetrain.trace import seconds_by_kind
 from pipetrain.zoo import SPECS, ModelSpec
 
 
@@ -193,9 +195,11 @@ def ps_sync(cfg: PeerConfig, return_weights: bool = False) -> dict[str, Any]:
 
         def step(i: int) -> None:
             for req in [dist.irecv(g, src=w) for w, g in enumerate(grads)]:
+                assert req is not None  # None only on a rank outside the group
                 req.wait()
             weights.sub_(torch.stack(grads).mean(0), alpha=cfg.lr)
             for req in [dist.isend(weights, dst=w) for w in range(workers)]:
+                assert req is not None
                 req.wait()
 
         out = _measure(cfg, step, workers * weight_bytes / cfg.batch_size, [weights])
@@ -389,7 +393,8 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
         "chunks": result.sync_stats[rank].get("chunks"), "search": result.sync_stats[rank].get("search"),
     }
     if trace:
-        out["breakdown"] = [_breakdown(t, edges[0], edges[-1], cfg.windows * spw) for t in result.traces]
+        out["breakdown"] = [{k: v / (cfg.windows * spw) for k, v in seconds_by_kind(t, edges[0], edges[-1]).items()}
+                            for t in result.traces]
     return out
 
 
@@ -435,29 +440,6 @@ def ring_cost(cfg: PeerConfig, codec: str | None, repeats: int = 5) -> dict[str,
     return _finish({"rank": rank, "codec": codec, "elements": elements, "wall_s": statistics.median(walls[1:]),
                     "cpu_s": statistics.median(cpus[1:]), "machine_busy_s": statistics.median(machine[1:]),
                     "latency_s": statistics.median(hops[1:])})
-
-
-def machine_busy_s() -> float:
-    """CPU seconds this machine's cores have been busy since boot (/proc/stat; all processes and the
-    kernel's interrupt work alike), or nan where there is no /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return float("nan")
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
-
-
-def _breakdown(records: Sequence[tuple[str, float, float]], start: float, end: float,
-               minibatches: int) -> dict[str, float]:
-    """Seconds per minibatch of each action kind (``F``, ``RB``, ...) inside ``[start, end]``."""
-    out: dict[str, float] = {}
-    for text, s, e in records:
-        overlap = min(e, end) - max(s, start)
-        if overlap > 0:
-            kind = text.rstrip("0123456789.")
-            out[kind] = out.get(kind, 0.0) + overlap / minibatches
-    return out
 
 
 class _TxSampler:
@@ -535,7 +517,7 @@ def _tx_bytes(cfg: PeerConfig) -> int | None:
 
 
 def _measure(cfg: PeerConfig, step: Callable[[int], None], counted_bytes_per_sample: float,
-             params: list[torch.Tensor]) -> dict[str, Any]:
+             params: Sequence[torch.Tensor]) -> dict[str, Any]:
     """Warm up, then time ``cfg.windows`` windows of steps, each closed by a barrier.
 
     Also reports ``update_norm``, how far this worker's ``params`` moved: zero means it never learned.

@@ -1,1 +1,1 @@
-"""The runtime: transport, workers, weight versions, checkpoints and process launch."""
+"""The runtime: transport, workers, weight versions, checkpoints, process launch, and one worker run alone (solo)."""

@@ -22,11 +22,11 @@ from pipetrain.registry import (
 )
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.launch import keep_freed_memory, loopback_store
-from pipetrain.runtime.transport import Transport
+from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, epoch_order, per_epoch
 from pipetrain.schedule import Schedule, warmup
-from pipetrain.strategies.base import SyncContext
+from pipetrain.strategies.base import GradSync, SyncContext
 from pipetrain.strategies.cgdp import HOST_MEMORY, host_bytes
 from pipetrain.strategies.compression import get_codec
 
@@ -348,9 +348,7 @@ def init_distributed(timeout: float) -> torch.device:
 def run_rank(cfg: JobConfig) -> dict[str, Any]:
     """Train this rank's part; return its state, history (reporting ranks) and trace, as plain data."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    keep_freed_memory()  # also under torchrun, which starts the process
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
+    prepare_process(cfg)
     device = init_distributed(cfg.timeout)
     result = _train(cfg, rank, world, device)
     # only after success: teardown with a dead peer can block, and on failure the launcher
@@ -360,7 +358,23 @@ def run_rank(cfg: JobConfig) -> dict[str, Any]:
     return result
 
 
-def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+def prepare_process(cfg: JobConfig) -> None:
+    """Set this process up as a worker's: malloc keeps freed memory, ``cfg.threads`` torch threads,
+    torch's random generator seeded with ``cfg.seed``."""
+    keep_freed_memory()  # also under torchrun, which starts the process
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+
+
+def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Channel,
+                 sync: GradSync | None) -> tuple[Worker, nn.Module]:
+    """``rank``'s worker as the job runs it, around ``transport`` and ``sync``: its stage (the whole
+    model for data parallelism), optimizer and weight policy, restored from the checkpoint the job
+    resumes from (``cfg.resume_from``), if any.
+
+    Returns:
+        The worker, with the history it resumes, and its stage module unwrapped (what checkpoints save).
+    """
     assert cfg.replicas is not None
     stage_idx = cfg.stage_of(rank)
     if cfg.data_parallel:
@@ -370,26 +384,34 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
         stage = layers.stage(*cfg.layer_range(stage_idx, len(layers))).to(device)
     params = [p for p in stage.parameters() if p.requires_grad]
     optimizer = cfg.optimizer(params) if params else None
-    start, version, history = 0, 0, []
+    version, history = 0, []
     if cfg.resume_from is not None:
         state = checkpoint.load(cfg.checkpoint_dir, rank, cfg.resume_from)  # type: ignore[arg-type]
         stage.load_state_dict(state["model"])
         if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
-        start, version, history = cfg.resume_from + 1, state["version"], state.get("history", [])
+        version, history = state["version"], state.get("history", [])
         _set_rng(state["rng"], device)  # dropout and the like go on as if never stopped
     policy = POLICIES[cfg.policy_name(stage_idx)](stage)
     policy.version = version
-    name = describe(cfg.replicas, cfg.data_parallel)
-    transport = Transport(rank, edges(cfg.replicas), name, device, cfg.timeout)
-    sync = cfg.spec.synchronizer(SyncContext(rank, tuple(cfg.replicas), device, cfg.timeout, cfg.compression,
-                                             stage_idx, cfg.chunk))
     first = sum(cfg.replicas[:stage_idx])
     worker = Worker(rank, sync.wrap(stage) if sync else stage, policy, optimizer, transport, cfg.dataset,
                     cfg.loss_fn, cfg.batch_size, device, grad_sync=sync, trace=[] if cfg.trace else None,
                     shard=(rank - first, cfg.replicas[stage_idx]) if cfg.data_parallel else (0, 1),
-                    name=name(rank), attempt=cfg.attempt, log=_history_log(rank) if cfg.reporter(rank) else None)
+                    name=describe(cfg.replicas, cfg.data_parallel)(rank), attempt=cfg.attempt,
+                    log=_history_log(rank) if cfg.reporter(rank) else None)
     worker.history = [StepRecord(**h) for h in history]
+    return worker, stage
+
+
+def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    assert cfg.replicas is not None
+    transport = Transport(rank, edges(cfg.replicas), describe(cfg.replicas, cfg.data_parallel), device, cfg.timeout)
+    sync = cfg.spec.synchronizer(SyncContext(rank, tuple(cfg.replicas), device, cfg.timeout, cfg.compression,
+                                             cfg.stage_of(rank), cfg.chunk))
+    worker, stage = build_worker(cfg, rank, device, transport, sync)
+    optimizer, policy = worker.optimizer, worker.policy
+    start = 0 if cfg.resume_from is None else cfg.resume_from + 1
 
     n_items = len(cfg.dataset)  # type: ignore[arg-type]
     k = per_epoch(n_items, cfg.batch_size, cfg.rounds)
@@ -457,7 +479,7 @@ def _progress(cfg: JobConfig, rank: int, total: int) -> Any:
 
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks on a hard exit
-    return tqdm(total=total, desc="pipetrain", unit="mb", dynamic_ncols=True)
+    return tqdm(total=total, desc="pipetrain", unit="batch", dynamic_ncols=True)
 
 
 def _rng(device: torch.device) -> dict[str, torch.Tensor]:

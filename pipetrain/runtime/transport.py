@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,15 @@ def _decode(head: torch.Tensor) -> tuple[int, int | None, int, bool, list[tuple[
         specs.append((dtype, h[i + 2:i + 2 + ndim]))
         i += 2 + ndim
     return h[0], None if h[1] < 0 else h[1], h[2], bool(h[3]), specs if h[4] >= 0 else None  # type: ignore[return-value]
+
+
+class Channel(Protocol):
+    """What a worker needs of its transport: :class:`Transport`, or a stand-in that runs a worker
+    without its neighbours (:func:`pipetrain.runtime.solo.run_stage_alone`)."""
+
+    def send(self, peer: int, msg: Message) -> None: ...
+
+    def recv(self, peer: int, mb: int, micro: int | None, what: str) -> Message: ...
 
 
 class Transport:

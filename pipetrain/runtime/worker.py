@@ -16,7 +16,7 @@ from torch.func import functional_call
 from torch.utils.data import Dataset, default_collate
 
 from pipetrain.layers import flatten, unflatten
-from pipetrain.runtime.transport import Message, Transport
+from pipetrain.runtime.transport import Channel, Message
 from pipetrain.runtime.weights import Live
 from pipetrain.schedule import Action, Schedule
 from pipetrain.strategies.base import GradSync, Weights
@@ -50,6 +50,16 @@ def epoch_order(n_items: int, batch_size: int, epoch: int, shuffle: bool, seed: 
 def per_epoch(n_items: int, batch_size: int, multiple: int) -> int:
     """Minibatches in an epoch: whole minibatches only, in whole rounds of ``multiple``."""
     return n_items // batch_size // multiple * multiple
+
+
+def microbatch(value: Any, micro: int | None, m: int) -> Any:
+    """Microbatch ``micro`` of ``m`` equal slices of a collated value (a tensor, or a tuple or list of
+    tensors); the whole value for ``micro`` None."""
+    if micro is None or m == 1:
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(v.chunk(m)[micro] for v in value)
+    return value.chunk(m)[micro]
 
 
 @dataclass
@@ -101,7 +111,7 @@ class Worker:
     stage: nn.Module
     policy: Live
     optimizer: torch.optim.Optimizer | None
-    transport: Transport
+    transport: Channel
     dataset: Dataset
     loss_fn: Callable[[Any, Any], torch.Tensor]
     batch_size: int
@@ -140,32 +150,28 @@ class Worker:
     # -- one action ------------------------------------------------------------------------------
     def _do(self, a: Action) -> None:
         key = (a.mb, a.micro)
-        peer = self._sched.peer(self.rank, a)
-        if a.kind == "RF":
-            self._inbox[key] = self.transport.recv(peer, a.mb, a.micro, f"activations of {a}")
-        elif a.kind == "RB":
-            self._inbox[key] = self.transport.recv(peer, a.mb, a.micro, f"gradients of {a}")
-        elif a.kind in ("SF", "SB"):
-            self.transport.send(peer, self._out.pop(key))
+        if a.kind in ("RF", "RB", "SF", "SB"):
+            peer = self._sched.peer(self.rank, a)
+            assert peer is not None, f"{a} on worker {self.rank} has no peer"  # sends and receives always have one
+            if a.kind == "RF":
+                self._inbox[key] = self.transport.recv(peer, a.mb, a.micro, f"activations of {a}")
+            elif a.kind == "RB":
+                self._inbox[key] = self.transport.recv(peer, a.mb, a.micro, f"gradients of {a}")
+            else:
+                self.transport.send(peer, self._out.pop(key))
         elif a.kind == "F":
             self._forward(a)
         elif a.kind == "B":
             self._backward(a)
         elif a.kind == "A":
-            self.grad_sync.start(a.mb, self._syncing[a.mb])  # type: ignore[union-attr]
+            assert self.grad_sync is not None, f"{a} on worker {self.rank}, which has no gradient synchronizer"
+            self.grad_sync.start(a.mb, self._syncing[a.mb])
         elif a.kind == "S":
-            self.grad_sync.wait(a.mb, self._syncing.pop(a.mb))  # type: ignore[union-attr]
+            assert self.grad_sync is not None, f"{a} on worker {self.rank}, which has no gradient synchronizer"
+            self.grad_sync.wait(a.mb, self._syncing.pop(a.mb))
             self.policy.after_backward(a.mb)
         else:
             self._update(a)
-
-    def _micro_slice(self, value: Any, micro: int | None) -> Any:
-        m = self._sched.microbatches
-        if micro is None or m == 1:
-            return value
-        if isinstance(value, (tuple, list)):
-            return type(value)(v.chunk(m)[micro] for v in value)
-        return value.chunk(m)[micro]
 
     def _batch(self, mb: int, part: int) -> Any:
         """Inputs (part 0) or targets (part 1) of minibatch ``mb``, collated once for all its
@@ -189,7 +195,7 @@ class Worker:
     def _forward(self, a: Action) -> None:
         key = (a.mb, a.micro)
         if self._first:
-            x, tag = self._micro_slice(_to(self._batch(a.mb, 0), self.device), a.micro), None
+            x, tag = microbatch(to_device(self._batch(a.mb, 0), self.device), a.micro, self._sched.microbatches), None
             inputs: list[torch.Tensor] = []
         else:
             msg = self._inbox.pop(key)
@@ -202,7 +208,7 @@ class Worker:
             out = self.stage(x) if weights is self.policy.params else functional_call(self.stage, weights, (x,))
         flight = _InFlight(inputs, out, raw_input=x)
         if self._last:
-            target = self._micro_slice(_to(self._batch(a.mb, 1), self.device), a.micro)
+            target = microbatch(to_device(self._batch(a.mb, 1), self.device), a.micro, self._sched.microbatches)
             if self.policy.recompute:
                 flight.outputs = None
             else:
@@ -327,7 +333,8 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def to_device(value: Any, device: torch.device) -> Any:
+    """A collated value (a tensor, or nested tuples or lists of tensors) on ``device``."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
-    return type(value)(_to(v, device) for v in value)
+    return type(value)(to_device(v, device) for v in value)

@@ -1,0 +1,180 @@
+"""One worker of a job run alone, its neighbours answering at once: what a stage's own code costs.
+
+:func:`run_stage_alone` builds one rank's worker with the job's own builder
+(:func:`pipetrain.runtime.job.build_worker`: stage module, optimizer, weight policy, data loading),
+runs its real action list for one epoch in this process and returns the trace. Nothing waits and
+nothing competes for the machine, so each action costs what the runtime's code path costs on the
+device: the layers, plus stashing, gradient accumulation, batch building and allocation, but no
+transfer.
+
+* A receive returns at once with a fresh copy of one (micro)batch's real cut tensors (shapes,
+  dtypes and values from one forward and backward of the whole model beforehand, see
+  :func:`_cut_tensors`); activations carry the weight version the input stage would stamp (what
+  vertical sync runs by), counted from its action list.
+* A send is dropped.
+* Gradient syncs (``A``, ``S``) complete at once: each replica keeps its own gradient, and no
+  synchronizer wraps the stage or hooks its backward (as DDP's would).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from pipetrain.layers import LayeredModel, flatten, unflatten
+from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
+from pipetrain.runtime.transport import Message
+from pipetrain.runtime.worker import epoch_order, microbatch, per_epoch, to_device
+from pipetrain.schedule import Schedule
+from pipetrain.schedule.actions import FORWARD, SYNC, UPDATE
+from pipetrain.strategies.base import GradSync
+from pipetrain.trace import Record
+
+
+def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, *, replica: int = 0,
+                    device: torch.device | str | None = None) -> list[Record]:
+    """Run one worker of ``cfg`` alone for the first ``minibatches`` of epoch 0; return its trace.
+
+    Like a worker process, it tells malloc to keep freed memory (for good: see
+    :func:`pipetrain.runtime.launch.keep_freed_memory`) and runs with ``cfg.threads`` torch threads
+    and torch's random generator seeded with ``cfg.seed``; the thread count and random state are
+    given back afterwards. For timings a worker would see, call it in a fresh process (a worker's heap
+    starts fresh). No process group is needed. The caller's model is not changed: the worker trains a
+    copy, as a worker process does.
+
+    Args:
+        cfg: the job, its plan resolved (``boundaries`` set for a pipeline). Checkpoints are neither
+            read nor written, and the trace is taken whatever ``cfg.trace`` says.
+        stage: the worker's stage (0 for data parallelism).
+        minibatches: how many minibatches, from the start of epoch 0 (default: the whole epoch); a
+            multiple of ``cfg.rounds``.
+        replica: which of the stage's workers (data parallelism: which worker).
+        device: where to run (default: the first GPU if there is one, else the CPU).
+
+    Returns:
+        The worker's ``(action_text, start_s, end_s)`` records in its schedule's order
+        (``time.perf_counter`` seconds), as ``pipetrain.train(..., trace=True)`` returns per rank.
+
+    Raises:
+        ValueError: the plan is not resolved, or ``stage``, ``replica`` or ``minibatches`` are outside
+            the job.
+    """
+    if cfg.replicas is None or (not cfg.data_parallel and cfg.boundaries is None):
+        raise ValueError("the job's plan is not resolved (no stages); give stages=[...] or plan first")
+    if not 0 <= stage < len(cfg.replicas) or not 0 <= replica < cfg.replicas[stage]:
+        raise ValueError(f"stage {stage} replica {replica} is not in this job (workers per stage: {cfg.replicas})")
+    n_items = len(cfg.dataset)  # type: ignore[arg-type]
+    whole = per_epoch(n_items, cfg.batch_size, cfg.rounds)
+    minibatches = whole if minibatches is None else minibatches
+    if not 1 <= minibatches <= whole or minibatches % cfg.rounds:
+        raise ValueError(f"minibatches={minibatches}: give a multiple of {cfg.rounds} from {cfg.rounds} to "
+                         f"{whole} (an epoch of this dataset)")
+    where = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    job = replace(cfg, model=copy.deepcopy(cfg.model), trace=True, resume=False, checkpoint_dir=None,
+                  progress=False)
+    rank = sum(cfg.replicas[:stage]) + replica
+    batches = epoch_order(n_items, cfg.batch_size, 0, cfg.shuffle, cfg.seed, cfg.rounds)[:minibatches]
+    schedule = job.schedule_for(0, minibatches)
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []):
+        try:
+            prepare_process(job)
+            channel = _Instant(schedule, stage, *_cut_tensors(job, stage, batches[0], schedule.microbatches, where))
+            sync = GradSync() if any(a.kind == SYNC for a in schedule.actions[rank]) else None
+            worker, _ = build_worker(job, rank, where, channel, sync)
+            worker.log = None  # no history file, even inside a launched process
+            worker.run_epoch(schedule, 0, batches, 0)
+        finally:
+            torch.set_num_threads(threads)
+    assert worker.trace is not None
+    return worker.trace
+
+
+class _Instant:
+    """A :class:`pipetrain.runtime.transport.Channel` whose receives return at once and sends vanish.
+
+    Args:
+        schedule: the job's schedule (who is upstream, and the input stage's action lists).
+        stage: the stage of the worker it serves.
+        activations: the tensors one (micro)batch brings into ``stage``, or None at the input stage.
+        gradients: the gradients of ``stage``'s outputs for one (micro)batch, or None at the output stage.
+    """
+
+    def __init__(self, schedule: Schedule, stage: int, activations: Message | None,
+                 gradients: Message | None) -> None:
+        self.schedule, self.stage = schedule, stage
+        self.activations, self.gradients = activations, gradients
+        self.versions = _input_versions(schedule)
+
+    def send(self, peer: int, msg: Message) -> None:
+        pass
+
+    def recv(self, peer: int, mb: int, micro: int | None, what: str) -> Message:
+        upstream = self.schedule.stage_of(peer) < self.stage
+        sample = self.activations if upstream else self.gradients
+        assert sample is not None, f"{what}: no neighbour sends that to stage {self.stage}"
+        version = self.versions[(mb, micro)] if upstream else 0
+        return Message(mb, micro, version, [t.clone() for t in sample.tensors], sample.is_tuple)
+
+
+def _input_versions(schedule: Schedule) -> dict[tuple[int, int | None], int]:
+    """(minibatch, microbatch) -> the input stage's weight version at its forward (the version a
+    message carries), from the input stage's action lists: a replica's update adds the replica count."""
+    out = {}
+    for w in range(schedule.replicas[0]):
+        updates = 0
+        for a in schedule.actions[w]:
+            if a.kind == UPDATE:
+                updates += 1
+            elif a.kind == FORWARD:
+                out[(a.mb, a.micro)] = updates * schedule.replicas[0]
+    return out
+
+
+def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
+                 device: torch.device) -> tuple[Message | None, Message | None]:
+    """One (micro)batch's activations into ``stage`` and gradients of its outputs, from one forward and
+    backward of the whole model on the first (micro)batch of ``items``.
+
+    The model runs in eval mode (no batch statistics or dropout change; shapes are the same) and
+    gradients are taken for the cut only, so no parameter's ``.grad`` changes. The model is left on
+    the CPU; the worker moves its stage to ``device``, as a worker holds its stage only.
+    """
+    if cfg.boundaries is None or len(cfg.boundaries) == 1:
+        return None, None  # one stage: nothing crosses a cut
+    model = cfg.model
+    modes = {mod: mod.training for mod in model.modules()}
+    model.eval().to(device)
+    try:
+        micro = 0 if m > 1 else None
+        x, target = (microbatch(to_device(_collate(cfg, items, part), device), micro, m) for part in (0, 1))
+        parts = list(LayeredModel(model).stages(cfg.boundaries))
+        with torch.no_grad():
+            for part in parts[:stage]:
+                x = part(x)
+            out = parts[stage](x)
+        activations = Message(0, micro, 0, *flatten(x)) if stage > 0 else None
+        gradients = None
+        if stage < len(parts) - 1:
+            tensors, is_tuple = flatten(out)
+            leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in tensors]
+            y: Any = unflatten(leaves, is_tuple)
+            for part in parts[stage + 1:]:
+                y = part(y)
+            floats = [t for t in leaves if t.is_floating_point()]
+            grads = torch.autograd.grad(cfg.loss_fn(y, target), floats, allow_unused=True)
+            gradients = Message(0, micro, 0, [torch.zeros_like(t) if g is None else g for t, g in zip(floats, grads)],
+                                False)
+    finally:
+        for mod, training in modes.items():
+            mod.training = training
+        model.cpu()
+    return activations, gradients
+
+
+def _collate(cfg: JobConfig, items: list[int], part: int) -> Any:
+    """The inputs (part 0) or targets (part 1) of the dataset's ``items``, collated as a worker does."""
+    return default_collate([cfg.dataset[j][part] for j in items])

@@ -1,0 +1,41 @@
+"""The scripts in benchmarks/ run: sim_vs_real end to end on a tiny model, time_to_accuracy's arguments.
+
+Their numbers are not checked (a tiny model on a shared machine says nothing); that they come out is.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_sim_vs_real_smoke_predicts_and_measures_every_schedule(tmp_path: Path) -> None:
+    out = tmp_path / "svr.json"
+    done = run("sim_vs_real.py", "--smoke", "--json", str(out), "--png-dir", str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| schedule | predicted (A) | predicted (B) | measured samples/s |" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["config"]["smoke"] is True
+    rows = {r["schedule"]: r for r in report["rows"]}
+    assert list(rows) == ["pipedream", "gpipe", "1f1b-flush", "model-parallel"]
+    for r in rows.values():
+        for key in ("predicted", "predicted_replay", "predicted_real_times", "measured"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["schedule"], key, r[key])
+        assert len(r["budget_real"]) == len(r["budget_sim"]) == len(r["budget_replay"]) == 2
+    assert set(report["replay_ms"]) == set(rows) and all(len(v) == 2 for v in report["replay_ms"].values())
+    assert all(Path(p).stat().st_size > 0 for p in report["pngs"])
+
+
+def test_time_to_accuracy_parses_its_arguments() -> None:
+    done = run("time_to_accuracy.py", "--help", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--wait-quiet" in done.stdout and "--attempts" in done.stdout

@@ -1,0 +1,91 @@
+"""One worker run alone (pipetrain.runtime.solo): the job's own worker, its schedule's actions, no peers."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pipetrain.runtime.job import JobConfig
+from pipetrain.runtime.solo import run_stage_alone
+from pipetrain.schedule import Action
+from pt_models import Residual
+
+BATCH, MINIBATCHES = 4, 6
+
+
+def tiny() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def job(model: nn.Module | None = None, **options) -> JobConfig:
+    g = torch.Generator().manual_seed(1)
+    n = BATCH * MINIBATCHES
+    data = TensorDataset(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
+    options.setdefault("boundaries", [0, 2])
+    return JobConfig(model=model or tiny(), dataset=data, loss_fn=nn.functional.cross_entropy,
+                     optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=BATCH, shuffle=False, **options)
+
+
+def check_order(cfg: JobConfig, records: list[tuple[str, float, float]], rank: int, minibatches: int) -> None:
+    """The records are the worker's schedule, action for action, one after another in time."""
+    expected = [str(a) for a in cfg.schedule_for(0, minibatches).actions[rank]]
+    assert [text for text, _, _ in records] == expected
+    assert all(s <= e for _, s, e in records)
+    assert all(e <= s2 for (_, _, e), (_, s2, _) in zip(records, records[1:]))
+
+
+@pytest.mark.parametrize("schedule,m", [("pipedream", 1), ("gpipe", 2), ("1f1b-flush", 2), ("model-parallel", 1),
+                                        ("naive", 1)])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_each_stage_runs_its_schedule_alone(schedule, m, stage):
+    cfg = job(schedule=schedule, microbatches=m)
+    before = {k: v.clone() for k, v in cfg.model.state_dict().items()}
+    records = run_stage_alone(cfg, stage, 4)
+    check_order(cfg, records, stage, 4)
+    kinds = {Action.parse(text).kind for text, _, _ in records}
+    assert kinds == ({"F", "SF", "RB", "B", "U"} if stage == 0 else {"RF", "F", "B", "SB", "U"})
+    assert not dist.is_initialized()  # no process group, no peers
+    assert all(torch.equal(v, before[k]) for k, v in cfg.model.state_dict().items())  # the caller's model is kept
+
+
+def test_whole_epoch_by_default_and_vertical_sync_gets_the_input_stages_versions():
+    cfg = job(schedule="pipedream", vertical_sync=True)
+    check_order(cfg, run_stage_alone(cfg, 1), 1, MINIBATCHES)
+
+
+def test_two_tensors_cross_the_cut():
+    """An fx model cut inside a residual block: stage 1 receives a tuple and stage 0 its two gradients."""
+    g = torch.Generator().manual_seed(2)
+    data = TensorDataset(torch.randn(BATCH * 4, 4, generator=g), torch.randn(BATCH * 4, 3, generator=g))
+    cfg = JobConfig(model=Residual(), dataset=data, loss_fn=nn.functional.mse_loss,
+                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), boundaries=[0, 2, 4], schedule="gpipe",
+                    microbatches=2, batch_size=BATCH, shuffle=False)
+    for stage in range(3):
+        check_order(cfg, run_stage_alone(cfg, stage), stage, 4)
+
+
+def test_replicas_sync_at_once():
+    cfg = job(schedule="pipedream", replicas=[2, 1])
+    records = run_stage_alone(cfg, 0, 4, replica=1)
+    check_order(cfg, records, 1, 4)
+    assert {"A", "S"} <= {Action.parse(text).kind for text, _, _ in records}
+    ddp = job(strategy="ddp", boundaries=None, replicas=[2])
+    check_order(ddp, run_stage_alone(ddp, 0, 2, replica=1), 1, 2)
+
+
+def test_threads_restored_and_bad_requests_refused():
+    threads = torch.get_num_threads()
+    cfg = job(schedule="pipedream", threads=1)
+    run_stage_alone(cfg, 0, 2)
+    assert torch.get_num_threads() == threads
+    with pytest.raises(ValueError, match="stage 2 replica 0 is not in this job"):
+        run_stage_alone(cfg, 2)
+    with pytest.raises(ValueError, match="minibatches=7"):
+        run_stage_alone(cfg, 0, 7)
+    with pytest.raises(ValueError, match="not resolved"):
+        run_stage_alone(job(schedule="pipedream", boundaries=None), 0)
