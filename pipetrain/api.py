@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -16,11 +17,14 @@ from torch.utils.data import Dataset, default_collate
 
 from pipetrain.layers import LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
-from pipetrain.profiling import profile_model
-from pipetrain.registry import STRATEGIES, lookup
+from pipetrain.planning.units import parse_bandwidth
+from pipetrain.profiling import Profile, profile_model
+from pipetrain.registry import STRATEGIES, build_schedule, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
+from pipetrain.runsetup import measure_setup, model_step
+from pipetrain.simulate import Link, simulate
 
 
 @dataclass
@@ -37,7 +41,9 @@ class TrainResult:
         samples_per_s: samples trained per second over the whole run, measured at the output stage.
         traces: per rank, ``(action, start, end)`` records when ``trace=True`` (perf_counter seconds).
         plan: the plan that placed the stages, when one did (``"auto"``, a Plan or a plan file).
-        predicted_samples_per_s: the plan's prediction, batch size / its slowest stage's time.
+        predicted_samples_per_s: what pipetrain predicted for this run: with ``stages="auto"`` (or
+            ``strategy="auto"``) the simulated run from the measured profile and set-up; with a plan
+            given, batch size / its slowest stage's time.
         bytes_sent: per rank, tensor bytes it sent to other workers (activations, gradients, and its
             share of an allreduce: counted for pipe-sgd's ring, estimated as a ring's 2(r-1)/r of the
             gradient for a replicated stage and DDP).
@@ -51,6 +57,8 @@ class TrainResult:
             failed attempt made after that epoch, trained again) and ``time`` (perf_counter, when
             the failure was seen).
         epochs_trained: epochs this call trained (0 when a resumed job had nothing left to train).
+        choice: with ``strategy="auto"``: ``{"choice": NAME, "predictions": {NAME: samples/s}, "options",
+            "skipped", "reason"}`` (:meth:`pipetrain.planning.choose.Choice.to_dict`).
     """
 
     model: nn.Module
@@ -64,6 +72,7 @@ class TrainResult:
     sync_stats: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
     epochs_trained: int = 0
+    choice: dict[str, Any] | None = None
 
 
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -75,7 +84,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
           keep_checkpoints: int | None = 2, max_restarts: int = 0, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False,
-          progress: bool = False) -> TrainResult:
+          progress: bool = False, allow_compression: bool = False) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
     Args:
@@ -84,7 +93,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         dataset: a map-style dataset of ``(input, target)`` pairs.
         loss_fn: ``loss_fn(output, target)`` of a minibatch; mean-reduced for microbatching and sharding.
         optimizer: a factory taking parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
-        strategy: ``"pipeline"`` (stages on workers, run by ``schedule``), ``"ddp"`` (PyTorch
+        strategy: ``"auto"``: profile the model, measure this machine's set-up, predict every strategy's
+            samples/s for ``workers`` (at ``bandwidth``, else over the measured transport), print the
+            table, and train with the fastest (:func:`pipetrain.planning.choose_strategy`; ``result.choice``
+            records it and every prediction). Or ``"pipeline"`` (stages on workers, run by ``schedule``), ``"ddp"`` (PyTorch
             DistributedDataParallel), ``"pipe-sgd"`` (Pipe-SGD: the allreduce of minibatch t overlaps
             the compute of the next K-1, in a ring that may compress) or ``"cgdp"`` (CPU-GPU data
             parallel: chunks of layers summed in shared host memory while the backward goes on); see
@@ -126,6 +138,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         trace: record each action's start and end on every worker (``result.traces``); a directory
             also gets ``trace.json`` (Chrome trace, opens in Perfetto) and ``timeline.png``.
         progress: show a progress bar.
+        allow_compression: ``strategy="auto"`` may pick a codec that changes the arithmetic (pipe-sgd's
+            trunc16, quant8).
 
     Raises:
         ValueError: bad arguments (one line says which and what to do).
@@ -133,6 +147,12 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             error carries the ``history`` recorded so far and the newest ``checkpoint_epoch``.
     """
     started = time.perf_counter()
+    if strategy == "auto":
+        arguments = dict(locals())
+        del arguments["started"]
+        return _train_auto(arguments)
+    if allow_compression:
+        raise ValueError("allow_compression is for strategy='auto'; name the codec with compression= instead")
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r}: give how many times to restart, 0 or more")
     if max_restarts and checkpoint_dir is None:
@@ -151,12 +171,13 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             workers = int(os.environ["WORLD_SIZE"])
         replicas = None if workers is None else [workers]
         boundaries = None if stages is None else _boundaries(stages)
-        chosen = None
+        chosen = predicted = None
     else:
         if stages is None:
             raise ValueError("strategy='pipeline' needs stages: first layer indices, a plan, or 'auto' "
                              "(CLI: --stages 0,4 | --plan FILE | --plan auto --workers N)")
-        boundaries = replicas = chosen = None
+        boundaries = replicas = chosen = predicted = None
+    settings: dict[str, Any]  # JobConfig's keyword arguments
     settings = dict(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=strategy,
                     boundaries=boundaries, replicas=replicas, schedule=schedule, vertical_sync=vertical_sync,
                     microbatches=microbatches, staleness=staleness, compression=compression,
@@ -167,8 +188,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     cfg = JobConfig(**settings)  # every check that needs no plan, before any profiling
     if not cfg.data_parallel:
         layers = LayeredModel(model)
-        chosen = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, batch_size, bandwidth,
-                               _threads(threads, workers or 1), timeout)
+        chosen, predicted = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, optimizer,
+                                          batch_size, bandwidth, schedule, _threads(threads, workers or 1), timeout)
         cfg = JobConfig(**{**settings, "boundaries": chosen.boundaries if chosen else _boundaries(stages),
                            "replicas": chosen.replicas if chosen else None})
     cfg.threads = _threads(threads, cfg.world)
@@ -203,12 +224,56 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     result = _gather(model, parts, name, since_epoch=first_epoch)
     result.started, result.restarts, result.epochs_trained = started, restarts, cfg.epochs - first_epoch
     if chosen is not None:
-        result.plan = chosen
-        result.predicted_samples_per_s = batch_size / chosen.stage_time_s if chosen.stage_time_s > 0 else None
+        result.plan, result.predicted_samples_per_s = chosen, predicted
     if trace and not isinstance(trace, bool) and int(os.environ.get("RANK", "0")) == 0:
         what = f"{cfg.schedule}, stages {cfg.boundaries}" if not cfg.data_parallel else \
             f"{strategy}, {cfg.world} workers"
         _write_trace(result.traces, Path(trace), name, what)
+    return result
+
+
+_AUTO_PICKS = {"stages": None, "schedule": None, "vertical_sync": False, "microbatches": 1, "staleness": None,
+               "compression": None, "warmup_epochs": 0, "chunk": None}
+"""What ``strategy="auto"`` chooses, each at its unset value."""
+
+
+def _train_auto(arguments: dict[str, Any]) -> TrainResult:
+    """``train(strategy="auto", ...)``: choose on rank 0, print the table and the reason, train the choice."""
+    from pipetrain.planning.choose import Choice, choose_strategy
+
+    given = [k for k, unset in _AUTO_PICKS.items() if arguments[k] != unset]
+    if given:
+        raise ValueError(f"strategy='auto' chooses {', '.join(given)} itself; drop {given[0]}, or name a strategy")
+    workers = arguments["workers"] or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
+    if workers is None or isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"strategy='auto' needs workers=N (CLI: --workers N), the workers to choose for; got {workers!r}")
+    model, dataset, loss_fn, batch_size = (arguments[k] for k in ("model", "dataset", "loss_fn", "batch_size"))
+    # the checks that need no strategy, before any measuring
+    JobConfig(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=arguments["optimizer"], strategy="ddp",
+              replicas=[1], batch_size=batch_size, epochs=arguments["epochs"], timeout=arguments["timeout"])
+    bandwidth = arguments["bandwidth"]
+    one_machine = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+
+    def choose() -> dict[str, Any]:
+        measured = _measured_profile(model, dataset, loss_fn, arguments["optimizer"], batch_size, workers,
+                                     _threads(arguments["threads"], workers))
+        return choose_strategy(measured, workers, bandwidth, batch_size=batch_size, one_machine=one_machine,
+                               allow_compression=arguments["allow_compression"]).to_dict()
+
+    found = _on_rank0(choose, arguments["timeout"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        shown = Choice(found["choice"], found["predictions"],
+                       {n: {**o, "stages": Plan.from_dict(o["stages"])} if "stages" in o else o
+                        for n, o in found["options"].items()}, found["skipped"], found["reason"])
+        print(f"pipetrain: strategy auto\n{shown.table()}\n{shown.reason}", flush=True)
+    picked = dict(found["options"][found["choice"]])
+    if "stages" in picked:
+        picked["stages"] = Plan.from_dict(picked["stages"])
+    else:
+        picked["workers"] = workers
+    result = train(**{**arguments, "bandwidth": None, "allow_compression": False, **picked})
+    result.choice = found
+    result.predicted_samples_per_s = found["predictions"][found["choice"]]
     return result
 
 
@@ -283,58 +348,76 @@ def _threads(threads: int | None, workers: int) -> int:
 
 
 def _resolve_plan(stages: Any, workers: int | None, num_layers: int, model: nn.Module, dataset: Dataset,
-                  loss_fn: Callable[[Any, Any], torch.Tensor], batch_size: int, bandwidth: float | str | None,
-                  threads: int, timeout: float) -> Plan | None:
-    """The plan ``stages`` names (a Plan, a JSON path or "auto"), checked against the model; None
-    for a plain list of boundaries."""
+                  loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Callable[..., torch.optim.Optimizer],
+                  batch_size: int, bandwidth: float | str | None, schedule: str | None, threads: int,
+                  timeout: float) -> tuple[Plan | None, float | None]:
+    """The plan ``stages`` names (a Plan, a JSON path or "auto"), checked against the model, and its
+    predicted samples/s; (None, None) for a plain list of boundaries."""
     if isinstance(stages, Plan):
         chosen, source = stages, "the plan"
     elif isinstance(stages, (str, os.PathLike)) and str(stages) == "auto":
         if workers is None:
             raise ValueError("stages='auto' needs workers=N (CLI: --workers N), the number of workers to plan for")
-        chosen = _auto_plan(model, dataset, loss_fn, batch_size, workers, bandwidth or DEFAULT_BANDWIDTH, threads,
-                            timeout)
-        source = "auto"
+        found = _on_rank0(lambda: _plan_here(model, dataset, loss_fn, optimizer, batch_size, workers,
+                                             bandwidth or DEFAULT_BANDWIDTH, schedule, threads), timeout)
+        return Plan.from_dict(found["plan"]), found["predicted"]
     elif isinstance(stages, (str, os.PathLike)):
         chosen, source = Plan.load(stages), str(stages)
     else:
         if workers is not None:
             raise ValueError(f"workers={workers} is given beside explicit stages, which place one worker per stage; "
                              "drop workers, or plan with stages='auto'")
-        return None
+        return None, None
     check_fits(chosen, num_layers, source)
     if workers is not None and chosen.workers != workers:
         raise ValueError(f"{source} places {chosen.workers} workers but workers={workers} was asked for; "
                          f"use {chosen.workers} or make a new plan with `pipetrain plan --workers {workers}`")
-    return chosen
+    return chosen, batch_size / chosen.stage_time_s if chosen.stage_time_s > 0 else None
 
 
-def _auto_plan(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
-               batch_size: int, workers: int, bandwidth: float | str, threads: int, timeout: float) -> Plan:
-    """Profile on the first minibatch with the workers' thread count, then plan. Under torchrun,
-    rank 0 plans and the others take its plan, so timing noise cannot split the job."""
-    if under_torchrun():
-        import torch.distributed as dist
+def _on_rank0(work: Callable[[], dict[str, Any]], timeout: float) -> dict[str, Any]:
+    """``work()`` here; under torchrun on rank 0 only, the others taking its result (plain data), so
+    timing noise cannot split the job."""
+    if not under_torchrun():
+        return work()
+    import torch.distributed as dist
 
-        init_distributed(timeout)
-        box: list[Any] = [None]
-        if dist.get_rank() == 0:
-            box[0] = _profile_and_plan(model, dataset, loss_fn, batch_size, workers, bandwidth, threads).to_dict()
-        dist.broadcast_object_list(box, src=0)
-        return Plan.from_dict(box[0])
-    return _profile_and_plan(model, dataset, loss_fn, batch_size, workers, bandwidth, threads)
+    init_distributed(timeout)
+    box: list[Any] = [work() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
-def _profile_and_plan(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
-                      batch_size: int, workers: int, bandwidth: float | str, threads: int) -> Plan:
-    x, y = default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])  # type: ignore[arg-type]
+def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
+                      optimizer: Callable[..., torch.optim.Optimizer], batch_size: int, workers: int,
+                      threads: int) -> Profile:
+    """The model profiled on the first minibatch with the workers' thread count and optimizer; with the
+    run set-up of ``workers`` local workers measured (:func:`pipetrain.runsetup.measure_setup`), except
+    under torchrun, whose workers this process does not start."""
+    batch = default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])  # type: ignore[arg-type]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        measured = profile_model(model, (x, y), loss_fn, repeats=5, warmup=2)
+        measured = profile_model(model, tuple(batch), loss_fn, optimizer=optimizer, repeats=5, warmup=2)
     finally:
         torch.set_num_threads(before)
-    return plan(measured, workers, bandwidth)
+    if not under_torchrun():
+        measured.setup = measure_setup(workers, threads, model_step(model, tuple(batch), loss_fn))
+    return measured
+
+
+def _plan_here(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
+               optimizer: Callable[..., torch.optim.Optimizer], batch_size: int, workers: int,
+               bandwidth: float | str, schedule: str | None, threads: int) -> dict[str, Any]:
+    """Profile, plan for ``bandwidth``, and predict this run's samples/s: the plan's schedule simulated
+    on the links this run has (the measured transport locally, ``bandwidth`` under torchrun)."""
+    measured = _measured_profile(model, dataset, loss_fn, optimizer, batch_size, workers, threads)
+    chosen = plan(measured, workers, bandwidth)
+    every = math.lcm(*chosen.replicas)
+    link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
+    sim = simulate(build_schedule(schedule or "pipedream", chosen.replicas, every * -(-32 // every)), measured,
+                   chosen.boundaries, link, batch_size)
+    return {"plan": chosen.to_dict(), "predicted": sim.samples_per_s}
 
 
 def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], str],

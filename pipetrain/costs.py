@@ -58,14 +58,14 @@ def stage_time(compute_s: Num, sync_s: Num, replicas: Num) -> Num:
     return np.maximum(compute_s, sync_s) / replicas
 
 
-def boundary_time(cut_bytes: Num, bandwidth: Num) -> Num:
+def boundary_time(cut_bytes: Num, bandwidth: Num | float, latency_s: float = 0.0) -> Num:
     """2 * C_i, PipeDream §3.2 recurrence for A(j, m): activations of the cut after layer i go
     forward and their gradients (same size) come back, each taking C_i = a_i / bandwidth.
 
     The paper charges this once per boundary, whatever the replication of the stages beside it;
-    so does the code.
+    so does the code. ``latency_s`` (ours: a measured per-message cost) is added to each C_i.
     """
-    return 2 * cut_bytes / bandwidth
+    return 2 * (latency_s + cut_bytes / bandwidth)
 
 
 def in_flight(replicas: int, workers_to_output: int) -> int:
@@ -122,7 +122,7 @@ def pipe_sgd_time(iterations: Num, update_s: Num, compute_s: Num, comm_s: Num) -
 
 
 def ring_allreduce_time(workers: Num, nbytes: Num, latency_s: Num, byte_s: Num, reduce_byte_s: Num,
-                        sync_s: Num = 0.0, segments: Num = 1) -> Num:
+                        sync_s: Num | float = 0.0, segments: Num | int = 1) -> Num:
     """The communication term of eq. 5 (``segments`` L = 1) and eq. 6 (L gradient segments, each
     allreduced on its own): ``2 (p-1) L α + 2 (p-1)/p n β + (p-1)/p n γ + L S``.
 
@@ -234,3 +234,28 @@ def cgdp_wins(as_s: list[float], aa_s: list[float], bc_s: list[float]) -> bool:
     """§3.2's condition for CGDP to beat data parallelism: sum_i t_as^i < sum_{i=l..2} (t_aa^i + t_bc^i),
     every unit's synchronisation against the accumulation and broadcast of all but the last unit."""
     return sum(as_s) < sum(aa_s[:-1]) + sum(bc_s[:-1])
+
+
+# -- The run set-up (ours, not the papers'): what the papers' models leave to "the network" and "the
+# device", measured (pipetrain.runsetup.Setup) because on shared CPUs it decides the throughput.
+
+def message_time(nbytes: Num, latency_s: Num, s_per_byte: Num) -> Num:
+    """α + n β: one message of n bytes (the latency-bandwidth model of Thakur et al. 2005, which
+    Pipe-SGD §3.1 uses for its ring); also the CPU one message costs an end, with α and β measured
+    as CPU seconds."""
+    return latency_s + nbytes * s_per_byte
+
+
+def contended_s(seconds: Num, slowdown: float) -> Num:
+    """Compute time when workers share cores: the time alone times the measured ``slowdown`` of all the
+    machine's workers computing at once (ours; the papers give every worker a device of its own)."""
+    return seconds * slowdown
+
+
+def stage_work_s(compute_s: Num, update_s: Num | float, copy_s: Num | float, message_cpu_s: Num | float,
+                 slowdown: float) -> Num:
+    """What one worker of a stage spends per minibatch beyond waiting: the sum of T_l of PipeDream §3.2
+    (forward + backward), plus, ours, what the runtime adds that a layer profile does not hold: the
+    optimizer step, the copy of a new weight version (weight stashing, §3.4), all ``slowdown`` times
+    as long when workers share cores (:func:`contended_s`), and the CPU its messages take from it."""
+    return contended_s(compute_s + update_s + copy_s, slowdown) + message_cpu_s

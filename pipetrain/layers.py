@@ -36,6 +36,7 @@ class _SequentialStage(nn.Module):
 
     def forward(self, x: Any) -> Any:
         for child in self._modules.values():
+            assert child is not None  # every entry was added from the model's children
             x = child(x)
         return x
 

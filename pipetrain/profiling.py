@@ -2,14 +2,17 @@
 
 A profile is taken on a stated device at a stated minibatch size. For layer k it holds the forward and
 backward seconds, the bytes of every tensor crossing the cut after layer k (what layer k's stage would
-send to the next stage, and receive back as gradients), and the layer's parameter bytes.
+send to the next stage, and receive back as gradients), the layer's parameter bytes and the seconds of
+an optimizer step on them (0 when not measured). A profile may also carry the run set-up it was taken
+for (:class:`pipetrain.runsetup.Setup`: per-message cost, how workers sharing cores slow each other).
 
 JSON form (``version`` 1)::
 
     {"format": "pipetrain-profile", "version": 1, "model": "...", "device": "cpu",
      "batch_size": 32, "input_bytes": 8192,
      "layers": [{"name": "0", "forward_s": 0.001, "backward_s": 0.002,
-                 "activation_bytes": 4096, "parameter_bytes": 1024}, ...]}
+                 "activation_bytes": 4096, "parameter_bytes": 1024, "optimizer_s": 0.0001}, ...],
+     "setup": {...}}   (optional; see pipetrain.runsetup.Setup)
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from pipetrain.layers import LayeredModel
+from pipetrain.runsetup import Setup
 
 FORMAT, VERSION = "pipetrain-profile", 1
 
@@ -47,9 +51,11 @@ class LayerProfile:
     backward_s: float
     activation_bytes: int
     parameter_bytes: int
+    optimizer_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
+        """Forward and backward seconds (the optimizer step is separate: it runs once per update)."""
         return self.forward_s + self.backward_s
 
 
@@ -63,6 +69,7 @@ class Profile:
     model: str = ""
     input_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    setup: Setup | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -70,7 +77,8 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "device": self.device,
                 "batch_size": self.batch_size, "input_bytes": self.input_bytes, "meta": self.meta,
-                "layers": [asdict(layer) for layer in self.layers]}
+                "layers": [asdict(layer) for layer in self.layers],
+                **({"setup": asdict(self.setup)} if self.setup is not None else {})}
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -146,9 +154,11 @@ class Profile:
             meta = data.get("meta", {})
             if not isinstance(meta, dict):
                 raise ValueError(f"profile: 'meta' is {meta!r:.40}, not an object")
+            setup = data.get("setup")
             # batch_size 0 means unknown, as in PipeDream's files; `pipetrain profile` never writes it
             return Profile(entries, _field(data, "batch_size", "profile", int), _field(data, "device", "profile", str),
-                           str(data.get("model", "")), _field(data, "input_bytes", "profile", int, 0), meta)
+                           str(data.get("model", "")), _field(data, "input_bytes", "profile", int, 0), meta,
+                           None if setup is None else Setup.from_dict(setup, _field))
         except ValueError as e:
             raise ProfileError(f"{source}: malformed {e}; regenerate it with `pipetrain profile`") from None
 
@@ -163,7 +173,7 @@ def _layer(k: int, entry: Any) -> LayerProfile:
     where = f"layer entry {k} ({entry.get('name')!r:.40})"
     return LayerProfile(_field(entry, "name", where, str), _field(entry, "forward_s", where, float),
                         _field(entry, "backward_s", where, float), _field(entry, "activation_bytes", where, int),
-                        _field(entry, "parameter_bytes", where, int))
+                        _field(entry, "parameter_bytes", where, int), _field(entry, "optimizer_s", where, float, 0.0))
 
 
 def _field(entry: dict[str, Any], key: str, where: str, kind: type, default: Any = None) -> Any:
@@ -221,7 +231,8 @@ def check_header(data: Any, fmt: str, version: int, source: str, make: str,
 
 
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                  *, repeats: int = 10, warmup: int = 2) -> Profile:
+                  *, optimizer: Callable[..., torch.optim.Optimizer] | None = None, repeats: int = 10,
+                  warmup: int = 2) -> Profile:
     """Measure every layer of ``model`` on one minibatch.
 
     Layer k runs alone, as ``LayeredModel(model).stage(k, k)``, on what layer k - 1 returned, so its
@@ -236,6 +247,9 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
         sample_batch: one minibatch of model input (a tensor, or a tuple for several inputs); with
             ``loss_fn``, an ``(input, target)`` pair as a dataset gives.
         loss_fn: ``loss_fn(output, target)``, timed as part of the last layer.
+        optimizer: the training's optimizer factory (e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``):
+            each layer's ``optimizer_s`` is one step of it on the layer's parameters (after
+            ``warmup`` steps, which create its state); the parameters are restored afterwards.
         repeats: timed runs per layer.
         warmup: untimed runs per layer before those.
 
@@ -263,10 +277,11 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
         for k in range(len(layers)):
             stage = layers.stage(k, k)
             last = loss_fn is not None and k == len(layers) - 1
-            fwd, bwd, value = _time_layer(stage, value, k > 0, (lambda y: loss_fn(y, target)) if last else None,
-                                          repeats, warmup)
+            head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
+            fwd, bwd, value = _time_layer(stage, value, k > 0, head, repeats, warmup)
             param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-            measured.append(LayerProfile(layers.names[k], fwd, bwd, _nbytes(value), param_bytes))
+            step = _time_optimizer(stage, optimizer, repeats, warmup) if optimizer is not None else 0.0
+            measured.append(LayerProfile(layers.names[k], fwd, bwd, _nbytes(value), param_bytes, step))
     finally:
         with torch.no_grad():
             for buffer, copy in saved:
@@ -305,6 +320,38 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
             forward.append(t1 - t0)
             backward.append(time.perf_counter() - t2)
     return statistics.median(forward), statistics.median(backward), _map(y, torch.Tensor.detach)
+
+
+def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optimizer], repeats: int,
+                    warmup: int) -> float:
+    """Median seconds of one ``optimizer`` step (with ``zero_grad``) on ``stage``'s trainable parameters,
+    with gradients of ones; the parameters and their ``.grad`` are left as they were."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    before = [(p.detach().clone(), p.grad) for p in params]
+    cuda = any(p.is_cuda for p in params)
+    opt = optimizer(params)
+    times = []
+    try:
+        for run in range(warmup + max(repeats, 1)):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
+            if run >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        with torch.no_grad():
+            for p, (data, grad) in zip(params, before):
+                p.copy_(data)
+                p.grad = grad
+    return statistics.median(times)
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -366,7 +413,7 @@ def _read_graph(source: str, text: str) -> tuple[dict[str, _Node], dict[str, lis
             if len(ends) != 2:
                 raise ProfileError(f"{source}:{lineno}: cannot read edge line {line.strip()!r}{cut(lineno)}; "
                                    f"{_GRAPH_FIX}")
-            edge_lines.append((lineno, *ends))
+            edge_lines.append((lineno, ends[0], ends[1]))
             continue
         m = _NODE_LINE.match(line.strip())
         fields = dict(_FIELD.findall(m.group(3))) if m else {}

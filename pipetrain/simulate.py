@@ -20,7 +20,15 @@ format and :mod:`pipetrain.trace` draws both.
   what the caller gives (e.g. Pipe-SGD's ring model, :func:`pipetrain.costs.ring_allreduce_time`);
   syncs do not compete with the pipeline's transfers for the links;
 * ``S`` lasts until its sync has ended (its record includes the wait);
-* ``U`` lasts ``update_s`` (default 0).
+* ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers).
+
+[Note: run set-up] A profile that carries a measured :class:`pipetrain.runsetup.Setup` (workers on
+one machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`: compute (F,
+B, U, and on ``pipedream`` the copy of a new weight version at a stage that stashes) takes
+``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a transfer takes the measured
+message latency more, and the slower of the link's and the measured seconds per byte; a send and
+a receive take the CPU a message end costs from a worker with under 2 cores; a replicated stage's
+sync is a ring allreduce with the measured latency per step.
 
 Each link has a single sender, which issues transfers in program order, and every other time is a
 max over already known times, so event times do not depend on the order in which workers are
@@ -39,6 +47,7 @@ from pipetrain import costs
 from pipetrain.costs import dp_sync_bytes
 from pipetrain.layers import check_boundaries
 from pipetrain.profiling import Profile
+from pipetrain.runsetup import Setup
 from pipetrain.registry import SCHEDULES, STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
 from pipetrain.schedule.actions import (
@@ -80,6 +89,7 @@ class StageCost:
         stash_bytes: activations kept from forward to backward: the stage's input plus every
             layer's output (PipeDream §3.5's intermediate state, weights excluded).
         parameter_bytes: the stage's weights.
+        update_s: the optimizer step on them (the profile's ``optimizer_s``; 0 if not measured).
     """
 
     forward_s: float
@@ -87,11 +97,13 @@ class StageCost:
     output_bytes: float
     stash_bytes: float
     parameter_bytes: int
+    update_s: float = 0.0
 
     def share(self, parts: int) -> StageCost:
-        """The cost of 1/``parts`` of the minibatch (times and activations scale, weights do not)."""
+        """The cost of 1/``parts`` of the minibatch (times and activations scale, weights and their
+        optimizer step do not)."""
         return StageCost(self.forward_s / parts, self.backward_s / parts, self.output_bytes / parts,
-                         self.stash_bytes / parts, self.parameter_bytes)
+                         self.stash_bytes / parts, self.parameter_bytes, self.update_s)
 
 
 def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | None = None) -> list[StageCost]:
@@ -114,17 +126,17 @@ def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | N
     check_boundaries(list(boundaries), len(profile))
     scale = 1.0 if batch_size is None or profile.batch_size == 0 else batch_size / profile.batch_size
     ends = [*boundaries[1:], len(profile)]
-    costs = []
+    stages = []
     for first, end in zip(boundaries, ends):
         layers = profile.layers[first:end]
         inputs = profile.input_bytes if first == 0 else profile.layers[first - 1].activation_bytes
-        costs.append(StageCost(
+        stages.append(StageCost(
             forward_s=scale * sum(x.forward_s for x in layers),
             backward_s=scale * sum(x.backward_s for x in layers),
             output_bytes=scale * layers[-1].activation_bytes,
             stash_bytes=scale * (inputs + sum(x.activation_bytes for x in layers)),
-            parameter_bytes=sum(x.parameter_bytes for x in layers)))
-    return costs
+            parameter_bytes=sum(x.parameter_bytes for x in layers), update_s=sum(x.optimizer_s for x in layers)))
+    return stages
 
 
 @dataclass
@@ -169,13 +181,18 @@ class SimResult:
 class _Sim:
     """The mutable state of one simulation; see [Note: timing rules]."""
 
-    def __init__(self, schedule: Schedule, costs: list[StageCost], link: Link, update_s: float,
-                 sync_s: Sequence[float] | None) -> None:
-        self.sched, self.costs, self.link, self.update_s = schedule, costs, link, update_s
+    def __init__(self, schedule: Schedule, stages: list[StageCost], link: Link, update_s: float | None,
+                 sync_s: Sequence[float] | None, setup: Setup | None) -> None:
+        self.sched, self.costs, self.link, self.setup = schedule, stages, link, setup
+        self.slowdown = 1.0 if setup is None else setup.slowdown
+        # a caller's update_s is taken as the time it takes; the profile's is the optimizer alone
+        self.update_s = [costs.contended_s(c.update_s, self.slowdown) if update_s is None else update_s
+                         for c in stages]
         n = schedule.num_workers
         self.pos, self.clock = [0] * n, [0.0] * n
         self.trace: list[list[Record]] = [[] for _ in range(n)]
-        self.arrival: dict[tuple[int, str, int, int | None], float] = {}  # (dst, recv kind, mb, micro)
+        # (dst, recv kind, mb, micro) -> (arrival, bytes)
+        self.arrival: dict[tuple[int, str, int, int | None], tuple[float, float]] = {}
         self.link_free: dict[tuple[int, int], float] = defaultdict(float)
         self.sync_started: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)  # (stage, k) -> w: t
         self.sync_end: dict[tuple[int, int], float] = {}  # (stage, k) -> when the k-th sync ended
@@ -189,8 +206,26 @@ class _Sim:
         self.peak_versions, self.peak_in_flight = [1] * n, [0] * n
         # PipeDream §3.2's W^m: the parameter-server volume over one link; nothing for one replica
         self.sync_s = list(sync_s) if sync_s is not None else [
-            0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r))
-            for c, r in zip(costs, schedule.replicas)]
+            0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r)) if setup is None else
+            costs.ring_allreduce_time(r, c.parameter_bytes, link.latency_s + setup.latency_s, self._byte_s(), 0.0)
+            for c, r in zip(stages, schedule.replicas)]
+        # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
+        self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and
+                       s < len(stages) - 1 else 0.0 for s, c in enumerate(stages)]
+
+    def _byte_s(self) -> float:
+        """Seconds per byte of a transfer: the link's, or the measured transport's if slower."""
+        return max(1 / self.link.bandwidth_Bps, 0.0 if self.setup is None else self.setup.s_per_byte)
+
+    def _transfer_s(self, nbytes: float) -> float:
+        """Seconds one message occupies its link (see [Note: run set-up])."""
+        if self.setup is None:
+            return self.link.transfer_s(nbytes)
+        return costs.message_time(nbytes, self.link.latency_s + self.setup.latency_s, self._byte_s())
+
+    def _cpu_s(self, nbytes: float) -> float:
+        """Compute seconds one message end takes from its worker (see [Note: run set-up])."""
+        return 0.0 if self.setup is None else self.setup.shared_cpu(nbytes)
 
     def run(self) -> None:
         acts = self.sched.actions
@@ -217,20 +252,23 @@ class _Sim:
     def _end(self, w: int, a: Action, start: float) -> float | None:
         s, m = self.sched.stage_of(w), self.sched.microbatches
         if a.kind == FORWARD:
-            return start + self.costs[s].forward_s / m
+            new_version = a.micro in (None, 0) and self.updates[w] not in self.versions[w].values()
+            copy = self.copy_s[s] if new_version else 0.0
+            return start + costs.contended_s(self.costs[s].forward_s / m + copy, self.slowdown)
         if a.kind == BACKWARD:
-            return start + self.costs[s].backward_s / m
+            return start + costs.contended_s(self.costs[s].backward_s / m, self.slowdown)
         if a.kind in SENDS:
             dst = self.sched.peer(w, a)
             assert dst is not None
             cut = s if a.kind == SEND_ACT else s - 1  # gradients cross the cut after the previous stage
+            nbytes = self.costs[cut].output_bytes / m
             begin = max(start, self.link_free[(w, dst)])
-            self.link_free[(w, dst)] = begin + self.link.transfer_s(self.costs[cut].output_bytes / m)
-            self.arrival[(dst, SENDS[a.kind], a.mb, a.micro)] = self.link_free[(w, dst)]
-            return start
+            self.link_free[(w, dst)] = begin + self._transfer_s(nbytes)
+            self.arrival[(dst, SENDS[a.kind], a.mb, a.micro)] = (self.link_free[(w, dst)], nbytes)
+            return start + self._cpu_s(nbytes)
         if a.kind in (RECV_ACT, RECV_GRAD):
-            arrived = self.arrival.pop((w, a.kind, a.mb, a.micro), None)
-            return None if arrived is None else max(start, arrived)
+            got = self.arrival.pop((w, a.kind, a.mb, a.micro), None)
+            return None if got is None else max(start, got[0]) + self._cpu_s(got[1])
         if a.kind == START_SYNC:
             k = self.starts[w]
             started = self.sync_started[(s, k)]
@@ -242,7 +280,7 @@ class _Sim:
             end = self.sync_end.get((s, self.waits[w]))
             return None if end is None else max(start, end)
         assert a.kind == UPDATE
-        return start + self.update_s
+        return start + self.update_s[s]
 
     def _account(self, w: int, a: Action, seconds: float) -> None:
         """Track busy time, syncs, updates, in-flight minibatches and the weight versions they hold."""
@@ -271,7 +309,7 @@ class _Sim:
 
 
 def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], link: Link = Link(),
-             batch_size: int | None = None, update_s: float = 0.0,
+             batch_size: int | None = None, update_s: float | None = None,
              sync_s: Sequence[float] | None = None) -> SimResult:
     """Predict a schedule's timeline and throughput from a profile and a link model.
 
@@ -282,9 +320,12 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         link: every point-to-point link direction, and the link used for gradient syncs.
         batch_size: samples per minibatch (default: the profile's); costs scale linearly with it
             (see :func:`stage_costs`); a sharded schedule's workers each take 1/r of it.
-        update_s: seconds per optimizer step.
+        update_s: seconds per optimizer step of every stage, as given (default: each stage's from the
+            profile, contended as [Note: run set-up] says).
         sync_s: seconds one gradient sync of each stage takes (default: PipeDream's W^m, see
             [Note: timing rules]).
+
+    The profile's measured set-up, if it has one, changes the rules as [Note: run set-up] says.
 
     Returns:
         The predicted SimResult; see [Note: timing rules] for how each action is timed.
@@ -300,10 +341,10 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
     batch = profile.batch_size if batch_size is None else batch_size
     if sync_s is not None and len(sync_s) != schedule.num_stages:
         raise ValueError(f"{len(sync_s)} sync times for a {schedule.num_stages}-stage schedule; give one per stage")
-    costs = stage_costs(profile, boundaries, batch_size)
+    per_stage = stage_costs(profile, boundaries, batch_size)
     if schedule.sharded:  # each of r workers computes on its 1/r of the minibatch
-        costs = [c.share(schedule.replicas[0]) for c in costs]
-    sim = _Sim(schedule, costs, link, update_s, sync_s)
+        per_stage = [c.share(schedule.replicas[0]) for c in per_stage]
+    sim = _Sim(schedule, per_stage, link, update_s, sync_s, profile.setup)
     sim.run()
     makespan = max(sim.clock, default=0.0)
     busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]
@@ -373,9 +414,10 @@ class DataParallelPrediction:
 
 
 def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: Link, batch_size: int | None = None,
-                          staleness: int | None = None, compression: str | None = None, update_s: float = 0.0,
-                          reduce_s: float | None = None, comm_cpu_s: float = 0.0,
-                          cores_per_worker: float = math.inf, minibatches: int = 32) -> DataParallelPrediction:
+                          staleness: int | None = None, compression: str | None = None,
+                          update_s: float | None = None, reduce_s: float | None = None,
+                          comm_cpu_s: float | None = None, cores_per_worker: float | None = None,
+                          minibatches: int = 32) -> DataParallelPrediction:
     """Predict a data-parallel strategy's throughput from a profile (Pipe-SGD §3.1, eq. 2-7).
 
     Every worker runs the whole model on batch/``workers`` samples; one gradient allreduce is a ring
@@ -390,12 +432,16 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         batch_size: samples per minibatch of the whole job (default: the profile's).
         staleness: K for pipe-sgd (default 2); synchronous strategies use 1.
         compression: the codec inside pipe-sgd's ring.
-        update_s: seconds per optimizer step (the profile does not time it).
+        update_s: seconds per optimizer step (default: the profile's optimizer seconds).
         reduce_s: seconds of codec arithmetic per allreduce (γ's total); default measured here with
             :func:`pipetrain.strategies.ring.ring_compute_seconds`.
         comm_cpu_s, cores_per_worker: CPU seconds one allreduce costs a worker, and the cores each
             worker has: with fewer than 2, a stale strategy's compute side carries that CPU too
-            (:func:`pipetrain.costs.shared_core_compute_s`; the simulator charges it to ``U``).
+            (:func:`pipetrain.costs.shared_core_compute_s`; the simulator charges it to ``U``). Default:
+            from the profile's measured set-up (its 2(p-1) sends and receives), else 0 and unlimited.
+
+    With a measured set-up in the profile, compute takes its ``slowdown`` times as long, and every ring
+    step its message latency more, at the slower of the link's and the measured seconds per byte.
         minibatches: how many the simulator runs (its rate is taken between the first and last update).
 
     Raises:
@@ -413,14 +459,22 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     codec = get_codec(compression)
     batch = profile.batch_size if batch_size is None else batch_size
     [whole] = stage_costs(profile, [0], batch_size)
-    compute_s = (whole.forward_s + whole.backward_s) / workers
+    setup = profile.setup
+    slowdown = 1.0 if setup is None else setup.slowdown
+    compute_s = costs.contended_s((whole.forward_s + whole.backward_s) / workers, slowdown)
+    update_s = costs.contended_s(whole.update_s if update_s is None else update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
     payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
     if reduce_s is None:
         reduce_s = ring_compute_seconds(codec, elements, workers)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
-    comm_s = costs.ring_allreduce_time(workers, payload, link.latency_s, 1 / link.bandwidth_Bps, gamma) \
-        if workers > 1 else 0.0
+    latency = link.latency_s + (0.0 if setup is None else setup.latency_s)
+    byte_s = max(1 / link.bandwidth_Bps, 0.0 if setup is None else setup.s_per_byte)
+    comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) if workers > 1 else 0.0
+    if comm_cpu_s is None:  # each of the 2(p-1) steps sends one block and receives one
+        comm_cpu_s = 0.0 if setup is None else 4 * (workers - 1) * setup.message_cpu(payload / workers)
+    if cores_per_worker is None:
+        cores_per_worker = math.inf if setup is None else setup.cores_per_worker
     # synchronous SGD waits for the allreduce anyway (eq. 2), so its CPU only counts for K >= 2
     step_s = costs.shared_core_compute_s(update_s, 0.0, comm_cpu_s, cores_per_worker) if k > 1 else update_s
     sim = simulate(build_data_parallel(strategy, workers, minibatches, k), profile, [0], link, batch_size,
@@ -472,8 +526,8 @@ class CGDPPrediction:
 
 
 def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | None = None,
-                 update_s: float = 0.0, copy_s_per_byte: float = 0.0, sum_s_per_byte: float = 0.0,
-                 signal_s: float = 0.0, copy_back_s_per_byte: float = 0.0, cores_per_worker: float = math.inf,
+                 update_s: float | None = None, copy_s_per_byte: float = 0.0, sum_s_per_byte: float = 0.0,
+                 signal_s: float = 0.0, copy_back_s_per_byte: float = 0.0, cores_per_worker: float | None = None,
                  minibatches: int = 16) -> CGDPPrediction:
     """Predict one CGDP iteration from a profile with the cost model of CGDP §3.2 (eq. 1-2), at chunk
     size ``chunk`` (§4's chunks, :func:`pipetrain.strategies.chunks.chunk_layout`).
@@ -491,20 +545,29 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
         workers: the machine's workers (L).
         chunk: layers per chunk.
         batch_size: samples per minibatch of the whole job (default: the profile's).
-        update_s: seconds per optimizer step.
+        update_s: seconds per optimizer step (default: the profile's optimizer seconds).
         copy_s_per_byte, sum_s_per_byte: host costs (:func:`pipetrain.strategies.cgdp.measure_host_costs`).
         signal_s: one 1-element allreduce among the machine's workers.
         copy_back_s_per_byte: host to device (GPU only).
         cores_per_worker: with fewer than 2, the host's copies and sums run on the cores the backward
             uses, so the backward cannot end before its own time plus theirs
-            (:func:`pipetrain.costs.shared_core_compute_s`; ours, not the paper's).
+            (:func:`pipetrain.costs.shared_core_compute_s`; ours, not the paper's). Default: the
+            profile's measured set-up's, else unlimited.
         minibatches: for the simulator.
+
+    With a measured set-up in the profile, compute takes its ``slowdown`` times as long.
     """
     from pipetrain.strategies.chunks import chunk_layout
 
     [whole] = stage_costs(profile, [0], batch_size)
     mine = whole.share(workers)
-    scale = mine.backward_s / max(sum(x.backward_s for x in profile.layers), 1e-300)  # profile -> one shard
+    slowdown = 1.0 if profile.setup is None else profile.setup.slowdown
+    if update_s is None:
+        update_s = costs.contended_s(whole.update_s, slowdown)
+    if cores_per_worker is None:
+        cores_per_worker = math.inf if profile.setup is None else profile.setup.cores_per_worker
+    # profile -> one worker's shard, as long as it takes beside the machine's other workers
+    scale = costs.contended_s(mine.backward_s, slowdown) / max(sum(x.backward_s for x in profile.layers), 1e-300)
     units: list[tuple[list[int], float, int]] = []  # (profile layers, backward seconds, parameter bytes)
     pending: list[int] = []
     for i in reversed(range(len(profile))):
@@ -531,7 +594,7 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
     sim = simulate(build_data_parallel("cgdp", workers, minibatches), profile, [0], Link(), batch_size,
                    update_s, sync_s=[overhead])
     batch = profile.batch_size if batch_size is None else batch_size
-    iteration = mine.forward_s + backward + update_s
+    iteration = costs.contended_s(mine.forward_s, slowdown) + backward + update_s
     return CGDPPrediction(
         samples_per_s=sim.samples_per_s or (batch / iteration if batch else 0.0), iteration_s=iteration,
         backward_s=backward, plain_backward_s=sum(bp) + tail_s, overhead_s=overhead,

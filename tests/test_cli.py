@@ -1,4 +1,5 @@
 """The command line and the torchrun path, run as a user would."""
+import ast
 import os
 import subprocess
 import sys
@@ -85,3 +86,32 @@ def test_torchrun_matches_local_launch(tmp_path, strategy):
     b = run_locally(strategy, tmp_path / "local.pt", 2)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_cli_modules_import_alone_and_none_imports_back():
+    """Each module of ``pipetrain.cli`` imports on its own, and no module-level import goes round a circle."""
+    package = ROOT / "pipetrain" / "cli"
+    names = {p.stem: "pipetrain.cli" if p.stem == "__init__" else f"pipetrain.cli.{p.stem}"
+             for p in package.glob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for stem, name in names.items():
+        edges[name] = set()
+        for node in ast.parse((package / f"{stem}.py").read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module == "pipetrain.cli":
+                edges[name] |= {names.get(a.name, "pipetrain.cli") for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipetrain.cli."):
+                edges[name].add(node.module)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in edges.get(start, ()))
+
+    assert [n for n in edges if reaches(n, n, set())] == []
+    assert not any("pipetrain.cli" in edges[n] for n in ("pipetrain.cli.common", "pipetrain.cli.train",
+                                                         "pipetrain.cli.planning"))
+    code = ("import importlib, sys\n"
+            "for m in ('pipetrain.cli.common', 'pipetrain.cli.train', 'pipetrain.cli.planning', 'pipetrain.cli'):\n"
+            "    for k in [k for k in sys.modules if k.startswith('pipetrain.cli')]:\n"
+            "        del sys.modules[k]\n"
+            "    importlib.import_module(m)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

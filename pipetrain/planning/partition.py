@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from pipetrain.costs import (
-    SYNC_ALGORITHMS, boundary_time, dp_sync_bytes, in_flight, stage_memory_bytes, stage_time,
+    SYNC_ALGORITHMS, boundary_time, dp_sync_bytes, in_flight, stage_memory_bytes, stage_time, stage_work_s,
 )
 from pipetrain.planning.result import Plan, StagePlan
 from pipetrain.planning.units import format_bytes, parse_bandwidth, parse_bytes
@@ -159,11 +159,20 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
     N = len(profile)
     layers = profile.layers
     zero = np.zeros(1)
-    compute = np.concatenate([zero, np.cumsum([x.compute_s for x in layers])])
+    compute = np.concatenate([zero, np.cumsum([x.compute_s + x.optimizer_s for x in layers])])
     params = np.concatenate([zero, np.cumsum([float(x.parameter_bytes) for x in layers])])
     acts = np.concatenate([zero, np.cumsum([float(x.activation_bytes) for x in layers])])
     # cut[j]: bytes crossing the boundary before layer j; nothing crosses after the last layer.
     cut = np.array([float(profile.input_bytes)] + [float(x.activation_bytes) for x in layers[:-1]] + [0.0])
+    # [Note: run set-up] of the simulator, in the planner's terms: a stage pays the CPU of the two
+    # message ends at each of its cuts (activations and gradients), a stashed copy of its weights
+    # (not the output stage), its compute slowed by workers sharing cores; a boundary pays the
+    # message latency and the slower of the link and the transport; a sync its ring's latencies.
+    setup = profile.setup
+    slowdown, latency = (1.0, 0.0) if setup is None else (setup.slowdown, setup.latency_s)
+    cpu = np.array([0.0] + [2 * setup.shared_cpu(c) if setup else 0.0 for c in cut[1:N]] + [0.0])
+    copy_per_byte = 0.0 if setup is None else setup.copy_s_per_byte
+    transport = np.inf if setup is None or setup.s_per_byte == 0 else 1 / setup.s_per_byte
 
     two_level = topo.workers_per_server < M
     F = 2 if two_level else 1  # flag 0: the suffix's first stage lies in one server; 1: it spans servers
@@ -196,14 +205,17 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
     for i in range(N - 1, -1, -1):
         js = np.arange(i + 1, N + 1)[None, None, :]
         part = params[js] - params[i]
-        T = stage_time(compute[js] - compute[i], dp_sync_bytes(part, r, allreduce) / bw_stage, r)
+        work = stage_work_s(compute[js] - compute[i], 0.0, np.where(js < N, part * copy_per_byte, 0.0),
+                            cpu[i] + cpu[js], slowdown)
+        sync = dp_sync_bytes(part, r, allreduce) / np.minimum(bw_stage, transport) + 2 * (r - 1) * latency
+        T = stage_time(work, sync, r)
         if limit is not None:
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
             T = np.where(stage_memory_bytes(part, stash, flight) <= limit, T, INF)
-        B = boundary_time(cut[js][..., None], bw_boundary)
+        B = boundary_time(cut[js][..., None], np.minimum(bw_boundary, transport), latency)
         X = np.maximum(B, T[..., None])
         J = N - i
-        cand = np.empty((M, R, J, F))
+        cand: np.ndarray = np.empty((M, R, J, F))
         np.maximum(windows[i + 1:].transpose(1, 3, 0, 2), X, out=cand)
         cand = cand.reshape(M, R, J * F)
         jf = cand.argmin(axis=2)  # best next layer and flag for each (m, r)

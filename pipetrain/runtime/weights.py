@@ -31,7 +31,7 @@ class Live:
     recompute = False
 
     def __init__(self, stage: nn.Module) -> None:
-        self.params = dict(stage.named_parameters())
+        self.params: Weights = dict(stage.named_parameters())
         self.version = 0
 
     def forward_weights(self, mb: int, tag: int | None) -> Weights:

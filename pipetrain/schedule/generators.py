@@ -23,6 +23,7 @@ data parallelism with staleness K = 2 (Pipe-SGD, Alg. 1) gives every worker::
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -147,7 +148,7 @@ def step_sync(lists: Lists, replicas: Sequence[int]) -> Lists:
 
     def extra(b: Action, replicated: bool) -> list[Action]:
         return ([Action(START_SYNC, b.mb), Action(SYNC, b.mb)] if replicated else []) + [Action(UPDATE, b.mb)]
-    return [_after_backwards(acts, lambda b, rep=replicas[stage_of[w]] > 1: extra(b, rep))
+    return [_after_backwards(acts, functools.partial(extra, replicated=replicas[stage_of[w]] > 1))
             for w, acts in enumerate(lists)]
 
 

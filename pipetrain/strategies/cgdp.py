@@ -176,7 +176,7 @@ class HostSum(GradSync):
         if chunk in (None, "auto"):
             self.search = ChunkSearch(len(self._layers))
             chunk = self.search.chunk
-        self._use(int(chunk))  # type: ignore[arg-type]
+        self._use(int(chunk))
         self._thread = threading.Thread(target=self._sum_loop, daemon=True, name="pipetrain-host-sum")
         self._thread.start()
         return module
@@ -186,7 +186,7 @@ class HostSum(GradSync):
         self._chunk_size = chunk
         layout = chunk_layout(len(self._layers), chunk)
         self._chunks = [[p for i in ids for p in self._layers[i]] for ids in layout]
-        self._chunk_of = {p: c for c, ps in enumerate(self._chunks) for p in ps}
+        self._chunk_of: dict[torch.Tensor, int] = {p: c for c, ps in enumerate(self._chunks) for p in ps}
         self._ranges = [(self._layer_range[ids[0]][0], self._layer_range[ids[-1]][1]) for ids in layout]
         self._reset()
 

@@ -71,7 +71,8 @@ class RingSync(GradSync):
         buf = self._take(params)
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=buf.dtype,
                                                                             device=buf.device) for p in params]
-        n = sum(numel for _, numel in self._shapes)  # type: ignore[union-attr]
+        assert self._shapes is not None  # set by the first _take
+        n = sum(numel for _, numel in self._shapes)
         torch.cat(grads, out=buf[:n])
         for p in params:
             p.grad = None
@@ -91,8 +92,9 @@ class RingSync(GradSync):
         buf, event = self._done.take(mb, f"the gradient allreduce of minibatch {mb}")
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+        assert self._shapes is not None  # set by start, which queued this minibatch
         offset = 0
-        for p, (shape, numel) in zip(_trainable(weights), self._shapes):  # type: ignore[arg-type]
+        for p, (shape, numel) in zip(_trainable(weights), self._shapes):
             p.grad = buf[offset:offset + numel].view(shape)
             offset += numel
         self._lent = buf

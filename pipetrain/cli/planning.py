@@ -10,11 +10,13 @@ import re
 import torch
 from torch.utils.data import default_collate
 
-from pipetrain.cli import _call_factory, _ints, _loss
+from pipetrain.cli.common import add_optimizer_options, call_factory, load_loss, optimizer_of, parse_stages
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
+from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
+from pipetrain.runsetup import measure_setup, model_step
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
@@ -31,6 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loss", default="cross_entropy", help="with --data: torch.nn.functional name or MODULE:FUNCTION")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per layer (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer first")
+    add_optimizer_options(p)
+    p.add_argument("--threads", type=int, default=None, help="torch threads, as each worker will have "
+                                                              "(default: cores / --setup workers, or all)")
+    p.add_argument("--setup", type=int, default=None, metavar="WORKERS",
+                   help="also measure how WORKERS local workers run here (contention, per-message cost), "
+                        "for predictions of this machine")
     p.add_argument("-o", "--output", default="profile.json")
     p.set_defaults(func=cmd_profile)
 
@@ -47,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight sync volume: parameter server (the paper's) or ring allreduce")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("-o", "--output", help="write the plan JSON here")
+    p.add_argument("--strategies", default=None,
+                   help="'all' or some of " + ", ".join(CANDIDATES) + ": predict each strategy's samples/s and "
+                        "pick the fastest (strategy='auto') instead of printing the pipeline plan")
+    p.add_argument("--allow-compression", action="store_true", help="--strategies: may pick trunc16 or quant8")
+    p.add_argument("--one-machine", action="store_true", help="--strategies: the workers share one machine (cgdp "
+                                                              "competes), linked at --bandwidth")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="predict a pipeline's or a data-parallel strategy's throughput from a profile")
@@ -98,17 +112,28 @@ def _shape(text: str) -> list[int]:
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    _at_least(args, batch_size=1, repeats=1, warmup=0)
+    _at_least(args, batch_size=1, repeats=1, warmup=0, setup=1, threads=1)
     shape = _shape(args.input_shape) if args.input_shape else None
-    model = _call_factory(args.model, "model")
+    model = call_factory(args.model, "model")
     if shape:
         batch, loss_fn = torch.randn(args.batch_size, *shape), None
     else:
-        dataset = _call_factory(args.data, "data")
+        dataset = call_factory(args.data, "data")
         if len(dataset) < args.batch_size:
             raise ValueError(f"{args.data} has {len(dataset)} items, fewer than --batch-size {args.batch_size}")
-        batch, loss_fn = default_collate([dataset[i] for i in range(args.batch_size)]), _loss(args.loss)
-    profile = profile_model(model, batch, loss_fn, repeats=args.repeats, warmup=args.warmup)
+        batch, loss_fn = default_collate([dataset[i] for i in range(args.batch_size)]), load_loss(args.loss)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (args.setup or 1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        profile = profile_model(model, batch, loss_fn, optimizer=optimizer_of(args), repeats=args.repeats,
+                                warmup=args.warmup)
+    finally:
+        torch.set_num_threads(before)
+    if args.setup:
+        kernel = model_step(model, tuple(batch), loss_fn) if loss_fn is not None else None
+        profile.setup = measure_setup(args.setup, threads, kernel)
+        print(f"set-up: {profile.setup.describe()}")
     profile.save(args.output)
     forward = sum(x.forward_s for x in profile.layers)
     backward = sum(x.backward_s for x in profile.layers)
@@ -120,6 +145,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     _at_least(args, workers=1, workers_per_server=1)
     profile = Profile.load(args.profile)
+    if args.strategies is not None:
+        return _choose(args, profile)
     result = plan(profile, args.workers, args.bandwidth, straight=args.straight, memory=args.memory,
                   workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
                   fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile)
@@ -131,6 +158,21 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(describe(result, profile))
     if args.output:
         print(f"wrote {args.output}")
+
+
+def _choose(args: argparse.Namespace, profile: Profile) -> None:
+    """``plan --strategies``: every strategy's prediction, the table and the choice."""
+    if args.output or args.straight or args.memory or args.workers_per_server or args.fewer_workers:
+        raise ValueError("--strategies predicts and picks a strategy; drop -o, --straight, --memory, "
+                         "--workers-per-server and --fewer-workers (plan the pipeline alone without --strategies)")
+    names = None if args.strategies == "all" else [n.strip() for n in args.strategies.split(",") if n.strip()]
+    choice = choose_strategy(profile, args.workers, args.bandwidth, one_machine=args.one_machine,
+                             allow_compression=args.allow_compression, strategies=names)
+    if args.json:
+        print(json.dumps(choice.to_dict()))
+        return
+    print(choice.table())
+    print(choice.reason)
 
 
 def describe(result: Plan, profile: Profile) -> str:
@@ -170,7 +212,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     profile = Profile.load(args.profile)
     bandwidth = parse_bandwidth(args.bandwidth)
     if args.stages:
-        boundaries = _ints(args.stages)
+        boundaries = parse_stages(args.stages)
         replicas = [1] * len(boundaries)
     else:
         if args.plan:
@@ -255,8 +297,8 @@ def _simulate_cgdp(args: argparse.Namespace, profile: Profile) -> None:
                           minibatches=args.minibatches or 16, **host)
     if args.json:
         print(json.dumps({"strategy": "cgdp", "workers": args.workers, "chunk": args.chunk,
-                          "batch_size": args.batch_size or profile.batch_size, **host, "sync_latency_s": args.sync_latency,
-                          **result.to_dict()}))
+                          "batch_size": args.batch_size or profile.batch_size, **host,
+                          "sync_latency_s": args.sync_latency, **result.to_dict()}))
         return
     print(f"cgdp, {args.workers} workers, chunk {args.chunk} ({len(result.chunks)} chunks): {result.samples_per_s:.1f} "
           f"samples/s, {result.iteration_s * 1e3:.1f} ms per iteration")

@@ -1,0 +1,37 @@
+"""The ``pipetrain`` command. Thin: parse, call the API, print. Errors are printed as one line."""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from pipetrain.bench import suite
+from pipetrain.cli import common, planning, train
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = common.Parser(prog="pipetrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train.register(sub)
+    planning.register(sub)
+    suite.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.showwarning = common.one_line_warnings
+    try:
+        args.func(args)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"pipetrain {args.command}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\npipetrain {args.command}: interrupted; the workers were stopped (checkpoints already written are "
+              "kept)", file=sys.stderr)
+        return 130
+    finally:
+        warnings.showwarning = common.show_warning
+    return 0

@@ -1,0 +1,117 @@
+"""What the ``pipetrain`` subcommands share: the one-line-error parser, loading MODULE:NAME objects, the
+loss, optimizer and ``--stages`` options, and pipetrain's warnings in one line."""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def load_object(path: str) -> Any:
+    """``"package.module:name"`` -> that object (the current directory is importable, as for uvicorn)."""
+    if ":" not in path:
+        raise ValueError(f"{path!r} is not MODULE:NAME (e.g. mymodels:make_model)")
+    module, name = path.split(":", 1)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module!r} from {path!r}: {e}") from None
+    except SyntaxError as e:
+        raise ValueError(f"cannot import {module!r} from {path!r}: {e.msg} ({e.filename}, line {e.lineno})") from None
+    except Exception as e:  # the module's own code failed at import: report it, not a traceback
+        raise ValueError(f"importing {module!r} from {path!r} failed: {type(e).__name__}: {e}") from None
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module!r} has no {name!r} (from {path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def call_factory(path: str, wanted: str) -> Any:
+    """The object ``path`` names, called when it is a factory; one-line errors for a failing factory or
+    one that returns something other than ``wanted`` ("model": an nn.Module, "data": a map-style dataset)."""
+    obj = load_object(path)
+    if callable(obj) and not isinstance(obj, torch.nn.Module):
+        try:
+            obj = obj()
+        except Exception as e:  # the user's factory failed: say so in one line
+            raise ValueError(f"{path}() failed: {type(e).__name__}: {e}") from None
+    if wanted == "model" and not isinstance(obj, torch.nn.Module):
+        raise ValueError(f"{path} gave a {type(obj).__name__}, not a torch.nn.Module; name a module or a function "
+                         "returning one")
+    if wanted == "data" and (isinstance(obj, torch.nn.Module) or not hasattr(obj, "__len__")
+                             or not hasattr(obj, "__getitem__")):
+        raise ValueError(f"{path} gave a {type(obj).__name__}, not a map-style dataset (len() and [i]); name a "
+                         "Dataset or a function returning one")
+    return obj
+
+
+def load_loss(name: str) -> Callable[..., torch.Tensor]:
+    """``--loss``: a ``torch.nn.functional`` name or MODULE:FUNCTION."""
+    if ":" in name:
+        return load_object(name)
+    fn = getattr(torch.nn.functional, name, None)
+    if fn is None:
+        raise ValueError(f"unknown loss {name!r}; use a torch.nn.functional name (cross_entropy, mse_loss) "
+                         "or MODULE:FUNCTION")
+    return fn
+
+
+def parse_stages(text: str) -> list[int]:
+    """``--stages 0,2,4`` -> [0, 2, 4], or a one-line error."""
+    try:
+        stages = [int(x) for x in text.split(",")]
+    except ValueError:
+        stages = []
+    if not stages:
+        raise ValueError(f"--stages {text!r}: give the first layer index of each stage, e.g. --stages 0,2,4")
+    return stages
+
+
+def one_line_warnings(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: Any = None, line: str | None = None) -> None:
+    """pipetrain's warnings as one line each on stderr (others as Python prints them)."""
+    from pipetrain.runtime.job import PipetrainWarning
+
+    if issubclass(category, PipetrainWarning):
+        print(f"pipetrain: warning: {message}", file=sys.stderr)
+    else:
+        show_warning(message, category, filename, lineno, file, line)
+
+
+show_warning = warnings.showwarning
+"""Python's own ``warnings.showwarning``, put back when a command ends."""
+
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def add_optimizer_options(p: argparse.ArgumentParser) -> None:
+    """``--optimizer``, ``--lr``, ``--momentum`` (read back by :func:`optimizer_of`)."""
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.0, help="sgd only")
+
+
+def optimizer_of(args: argparse.Namespace) -> Callable[..., torch.optim.Optimizer]:
+    """The optimizer factory the options name."""
+    kw: dict[str, Any] = {"lr": args.lr}
+    if args.optimizer == "sgd":
+        kw["momentum"] = args.momentum
+    return functools.partial(OPTIMIZERS[args.optimizer], **kw)

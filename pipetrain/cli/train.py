@@ -1,0 +1,164 @@
+"""``pipetrain train`` and ``pipetrain demo``: parse, call the API, print."""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.cli.common import add_optimizer_options, call_factory, load_loss, optimizer_of, parse_stages
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``train`` and ``demo`` subcommands."""
+    p = sub.add_parser("train", help="train MODULE:FACTORY as a pipeline or data parallel")
+    p.add_argument("model", help="MODULE:FACTORY returning the nn.Module (or the module itself)")
+    p.add_argument("--data", required=True, help="MODULE:FACTORY returning a map-style Dataset of (input, target)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--stages", help="pipeline: first layer index of each stage, one worker each, e.g. 0,2,4,6")
+    where.add_argument("--plan", help="pipeline: 'auto' (profile, then plan for --workers) or a plan JSON from "
+                                      "`pipetrain plan`")
+    p.add_argument("--workers", type=int, default=None, help="data parallel: the workers; pipeline: workers to plan "
+                                                             "for (--plan auto), checked against a plan file")
+    p.add_argument("--bandwidth", default=None, help="link speed --plan auto assumes, e.g. 1Gbit (default 10Gbit)")
+    p.add_argument("--loss", required=True,
+                   help="torch.nn.functional name (cross_entropy, mse_loss) or MODULE:FUNCTION")
+    p.add_argument("--save", default=None, help="write the trained model's state_dict here")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write DIR/trace.json (Chrome trace) and DIR/timeline.png")
+    _add_train_options(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="train a small CNN on bundled digits over 4 local workers")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--bandwidth", default="1Gbit", help="the network the automatic plan is made for")
+    p.set_defaults(func=cmd_demo)
+
+
+def _chunk(text: str) -> int | str:
+    """``--chunk``: ``auto`` or an integer (checked by the job)."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text.strip()
+
+
+def _check_output(path: str | None, option: str, directory: bool = False) -> None:
+    """Before training: ``path`` (a file, or a ``directory`` made if missing) can be written."""
+    if path is None:
+        return
+    target = Path(path) if directory else Path(path).resolve().parent
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{option} {path}: {target} is a file, not a directory; give a path you can write")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot make {target} ({e.strerror}); give a path you can write") from None
+    if Path(path).is_dir() and not directory:
+        raise ValueError(f"{option} {path} is a directory; give a file name")
+    if not os.access(target, os.W_OK):
+        raise ValueError(f"{option} {path}: {target} is not writable; give a path you can write")
+
+
+def _add_train_options(p: argparse.ArgumentParser) -> None:
+    from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES
+    from pipetrain.strategies.compression import CODECS
+
+    p.add_argument("--strategy", default="pipeline",
+                   help="auto: profile, measure this machine, predict every strategy for --workers and train the "
+                        "fastest; " + "; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values())
+                        + " (default pipeline)")
+    p.add_argument("--allow-compression", action="store_true",
+                   help="--strategy auto: may pick a codec that changes the arithmetic (trunc16, quant8)")
+    p.add_argument("--schedule", default=None,
+                   help=f"pipeline: {' | '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE})")
+    p.add_argument("--vertical-sync", action="store_true",
+                   help="pipedream: every stage uses the input stage's weight version")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update of the whole job")
+    p.add_argument("--microbatches", type=int, default=1, help="pipeline, gpipe / 1f1b-flush: slices per minibatch")
+    p.add_argument("--staleness", type=int, default=None,
+                   help="pipe-sgd: K, the minibatches a gradient is applied after (default 2; 1 is synchronous)")
+    p.add_argument("--compression", default=None,
+                   help=f"pipe-sgd: {' | '.join(CODECS)}, applied inside the ring allreduce (float32 models)")
+    p.add_argument("--warmup-epochs", type=int, default=0, help="pipe-sgd: run the first epochs with K = 1")
+    p.add_argument("--chunk", default=None, type=_chunk,
+                   help="cgdp: layers per chunk, or auto (default: the run-time search)")
+    p.add_argument("--epochs", type=int, default=1)
+    add_optimizer_options(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-shuffle", action="store_true")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--resume", action="store_true", help="restart from the newest epoch all stages saved")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a worker dies or goes silent, restart every worker from the newest checkpoint, up to N "
+                        "times (needs --checkpoint-dir)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    import pipetrain
+
+    _check_output(args.save, "--save")
+    _check_output(args.trace, "--trace", directory=True)
+    loss_fn, optimizer = load_loss(args.loss), optimizer_of(args)
+    model = call_factory(args.model, "model")
+    dataset = call_factory(args.data, "data")
+    result = pipetrain.train(
+        model, dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=args.strategy,
+        stages=parse_stages(args.stages) if args.stages is not None else args.plan, workers=args.workers,
+        bandwidth=args.bandwidth, schedule=args.schedule, vertical_sync=args.vertical_sync,
+        microbatches=args.microbatches, staleness=args.staleness, compression=args.compression,
+        warmup_epochs=args.warmup_epochs, chunk=args.chunk, batch_size=args.batch_size, epochs=args.epochs,
+        shuffle=not args.no_shuffle, seed=args.seed, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+        max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
+        allow_compression=args.allow_compression)
+    for r in result.restarts:
+        after = f"after epoch {r['resumed_after_epoch']}" if r["resumed_after_epoch"] is not None else "from the start"
+        print(f"restarted {after}: {r['error']}")
+    if result.history:
+        print(f"final loss {result.history[-1]['loss']:.4f}")
+    if result.epochs_trained == 0:
+        print(f"nothing left to train: every requested epoch is in {args.checkpoint_dir}")
+    else:
+        _report_speed(result)
+    if args.save:
+        torch.save(result.model.state_dict(), args.save)
+        print(f"saved the trained model's state_dict to {args.save}")
+    if args.trace:
+        print(f"wrote {args.trace}/trace.json and {args.trace}/timeline.png")
+
+
+def _report_speed(result: Any) -> None:
+    """Measured samples/s, beside pipetrain's prediction when it made one (a plan, strategy auto)."""
+    if result.plan is not None:
+        stages = ", ".join(f"layers {s.first_layer}-{s.last_layer} x{s.replicas}" for s in result.plan.stages)
+        print(f"plan {result.plan.config} ({stages}), NOAM {result.plan.noam}")
+    if result.predicted_samples_per_s:
+        error = result.predicted_samples_per_s / result.samples_per_s - 1 if result.samples_per_s else float("nan")
+        print(f"samples/s: predicted {result.predicted_samples_per_s:.0f}, measured {result.samples_per_s:.0f} "
+              f"({error:+.0%})")
+    else:
+        print(f"samples/s: measured {result.samples_per_s:.0f}")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    import pipetrain
+    from pipetrain import data, zoo
+
+    train_set, test_set = data.digits("train"), data.digits("test")
+    model = zoo.digits_cnn()
+    print(f"pipetrain demo: a small CNN on scikit-learn digits ({len(train_set)} train / {len(test_set)} "
+          f"held out); profiling, then planning 4 workers for a {args.bandwidth} network; schedule pipedream")
+    t0 = time.perf_counter()
+    result = pipetrain.train(
+        model, train_set, loss_fn=torch.nn.functional.cross_entropy,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1), stages="auto", workers=4,
+        bandwidth=args.bandwidth, schedule="pipedream", batch_size=32, epochs=args.epochs, seed=0,
+        progress=True)
+    with torch.no_grad():
+        x, y = test_set.tensors
+        accuracy = (result.model(x).argmax(1) == y).float().mean().item()
+    print(f"final training loss {result.history[-1]['loss']:.4f}")
+    print(f"held-out accuracy {accuracy:.1%} (chance 10%)")
+    _report_speed(result)
+    print(f"wall time {time.perf_counter() - t0:.1f}s")

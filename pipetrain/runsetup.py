@@ -1,0 +1,222 @@
+"""The run set-up a profile is taken for, measured: what a message costs and how workers that share
+cores slow each other.
+
+A layer profile times each layer alone in one process. The runtime's workers are several processes:
+on one machine they share its cores, and every message between them costs time on the wire and CPU
+at both ends (the transport's threads, gloo's I/O loop). :func:`measure_setup` measures both with the
+runtime's own launcher and transport, and the simulator, the planner and the data-parallel timing
+models read them from :class:`Setup` through :mod:`pipetrain.costs`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from pipetrain import costs
+
+MESSAGE_SIZES = (4096, 1 << 20)
+"""Bytes of the two ping-pong messages a line (latency + bytes x seconds per byte) is drawn through."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a job's workers run, measured on the machine (see :func:`measure_setup`).
+
+    Attributes:
+        backend: ``gloo`` or ``nccl``.
+        workers: worker processes sharing this machine when measured.
+        threads: torch threads per worker.
+        cores: the machine's cores (``os.cpu_count()``).
+        slowdown: mean compute time per step with all ``workers`` computing at once, over the same
+            alone (1: no contention; 2: four single-thread workers on two cores).
+        latency_s, s_per_byte: one message's one-way time between two workers while the others compute,
+            as a line through two sizes (:data:`MESSAGE_SIZES`).
+        message_cpu_s, message_cpu_s_per_byte: CPU seconds a message costs one end (all the threads of
+            the process: transport, gloo), as a line through the same sizes.
+        copy_s_per_byte: copying memory (a stashed weight version, a gradient buffer).
+    """
+
+    backend: str
+    workers: int
+    threads: int
+    cores: int
+    slowdown: float
+    latency_s: float
+    s_per_byte: float
+    message_cpu_s: float
+    message_cpu_s_per_byte: float
+    copy_s_per_byte: float
+
+    @property
+    def cores_per_worker(self) -> float:
+        """Cores each worker has to itself: the machine's over its workers."""
+        return self.cores / max(self.workers, 1)
+
+    def message_s(self, nbytes: float) -> float:
+        """Seconds one message of ``nbytes`` takes from send to arrival (:func:`pipetrain.costs.message_time`)."""
+        return costs.message_time(nbytes, self.latency_s, self.s_per_byte)
+
+    def message_cpu(self, nbytes: float) -> float:
+        """CPU seconds one message of ``nbytes`` costs one of its ends."""
+        return costs.message_time(nbytes, self.message_cpu_s, self.message_cpu_s_per_byte)
+
+    def shared_cpu(self, nbytes: float) -> float:
+        """CPU seconds one message end takes from the worker's compute: all of it when the worker has
+        under 2 cores (its transport threads then run on the cores it computes on), else none
+        (:func:`pipetrain.costs.shared_core_compute_s`)."""
+        return costs.shared_core_compute_s(0.0, 0.0, self.message_cpu(nbytes), self.cores_per_worker)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: Any, field_of: Callable[..., Any]) -> Setup:
+        """The set-up ``data`` holds; ``field_of(entry, key, where, kind)`` reads and checks one field
+        (:func:`pipetrain.profiling._field`); ValueError naming the field otherwise."""
+        if not isinstance(data, dict):
+            raise ValueError(f"profile: 'setup' is {data!r:.40}, not an object")
+        kinds = {"backend": str, "workers": int, "threads": int, "cores": int}
+        return Setup(**{f.name: field_of(data, f.name, "setup", kinds.get(f.name, float)) for f in fields(Setup)})
+
+    def describe(self) -> str:
+        """One line for people."""
+        return (f"{self.workers} workers x {self.threads} threads on {self.cores} cores (compute {self.slowdown:.2f}x "
+                f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us + "
+                f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end")
+
+
+def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None = None, seconds: float = 0.4,
+                  rounds: int = 20, timeout: float = 60.0) -> Setup:
+    """Measure the set-up of ``workers`` worker processes of ``threads`` torch threads on this machine.
+
+    It starts max(2, ``workers``) processes with the runtime's launcher. Compute: rank 0 runs
+    ``kernel`` (default: a float32 matmul; pass one training step of the model for a faithful
+    figure) alone for ``seconds``, then every rank runs it at once; ``slowdown`` is the ranks' mean
+    time per call over rank 0's alone. Messages: ranks 0 and 1 play ping-pong through the runtime's
+    :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES` while a thread of
+    theirs and every other rank compute, as in a running pipeline; one way is half a round trip,
+    and a message's CPU is the process's CPU time beyond its compute thread's, per message end.
+    """
+    from pipetrain.runtime.launch import spawn
+
+    kernel = kernel or functools.partial(_matmul, 256)
+    results = spawn(_probe, max(2, workers), (workers, threads, kernel, seconds, rounds, timeout),
+                    describe="set-up probe {}".format)
+    return Setup(**results[0])
+
+
+def model_step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[], None]:
+    """A kernel for :func:`measure_setup`: one forward and backward of ``model`` on ``batch`` (an
+    ``(input, target)`` pair), the work the workers of a job share the cores with."""
+    return functools.partial(_step, model, batch, loss_fn)
+
+
+def _step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    x, y = batch
+    loss_fn(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _matmul(n: int) -> None:
+    torch.manual_seed(0)
+    a = torch.randn(n, n)
+    (a @ a).sum().item()
+
+
+def _run_for(kernel: Callable[[], Any], seconds: float, stop: threading.Event | None = None) -> float:
+    """Mean seconds per call of ``kernel`` over ``seconds``, or until ``stop`` is set if given."""
+    kernel()
+    calls, t0 = 0, time.perf_counter()
+    while not (stop.is_set() if stop is not None else time.perf_counter() - t0 >= seconds):
+        kernel()
+        calls += 1
+    return (time.perf_counter() - t0) / max(calls, 1)
+
+
+def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
+           timeout: float) -> dict[str, Any]:
+    """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields."""
+    import torch.distributed as dist
+
+    from pipetrain.runtime.job import init_distributed
+    from pipetrain.runtime.transport import Transport
+
+    torch.set_num_threads(threads)
+    device = init_distributed(timeout)
+    rank = dist.get_rank()
+    dist.barrier()
+    alone = _run_for(kernel, seconds) if rank == 0 else 0.0
+    dist.barrier()
+    together = _run_for(kernel, seconds) if rank < workers else 0.0
+    times: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(times, together)
+    slowdown = statistics.mean(times[:workers]) / alone if rank == 0 and workers > 1 else 1.0
+    transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
+    # CPU per message with nothing else running in the two processes; then the time per message while
+    # a thread of each computes, as the compute thread of a running pipeline does
+    cpu = [_ping_pong(transport, rank, n, rounds, device)[1] for n in MESSAGE_SIZES]
+    stop = threading.Event()
+    load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
+    load.start()
+    wall = [_ping_pong(transport, rank, n, rounds, device)[0] for n in MESSAGE_SIZES]
+    stop.set()
+    load.join()
+    dist.barrier()
+    if rank != 0:
+        return {}
+    latency, per_byte = _line(wall)
+    cpu_s, cpu_per_byte = _line(cpu)
+    return dict(backend=dist.get_backend(), workers=workers, threads=threads, cores=os.cpu_count() or 1,
+                slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
+                message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_copy_s_per_byte(device))
+
+
+def _ping_pong(transport: Any, rank: int, nbytes: int, rounds: int, device: torch.device) -> tuple[float, float]:
+    """(one-way seconds, CPU seconds per message end) of ``rounds`` round trips of ``nbytes`` between
+    ranks 0 and 1 (other ranks only join the barrier)."""
+    import torch.distributed as dist
+
+    from pipetrain.runtime.transport import Message
+
+    payload = torch.zeros(nbytes // 4, device=device)
+    dist.barrier()
+    if rank > 1:
+        return 0.0, 0.0
+    wall, cpu = time.perf_counter(), time.process_time()
+    for k in range(rounds):
+        if rank == 0:
+            transport.send(1, Message(k, None, 0, [payload], False))
+            transport.recv(1, k, None, "the pong")
+        else:
+            transport.recv(0, k, None, "the ping")
+            transport.send(0, Message(k, None, 0, [payload], False))
+    return (time.perf_counter() - wall) / (2 * rounds), (time.process_time() - cpu) / (2 * rounds)
+
+
+def _line(points: list[float]) -> tuple[float, float]:
+    """(intercept at 0 bytes, slope per byte) of the line through :data:`MESSAGE_SIZES` and ``points``,
+    neither below 0."""
+    slope = max(0.0, points[1] - points[0]) / (MESSAGE_SIZES[1] - MESSAGE_SIZES[0])
+    return max(0.0, points[0] - MESSAGE_SIZES[0] * slope), slope
+
+
+def _copy_s_per_byte(device: torch.device, nbytes: int = 1 << 24) -> float:
+    """Seconds per byte of copying ``nbytes`` on ``device`` (median of 5)."""
+    a = torch.empty(nbytes // 4, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / nbytes

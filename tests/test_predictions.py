@@ -1,0 +1,165 @@
+"""Predictions from a profile with the optimizer step and a measured run set-up, and strategy="auto"."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import pipetrain
+from pipetrain.planning import plan
+from pipetrain.planning.choose import choose_strategy
+from pipetrain.profiling import LayerProfile, Profile, profile_model
+from pipetrain.registry import build_schedule
+from pipetrain.runsetup import Setup
+from pipetrain.simulate import simulate
+
+MS = 1e-3
+
+
+def setup(**changes: float) -> Setup:
+    """One core for two single-thread workers: every message end's CPU comes out of the compute."""
+    fields = dict(backend="gloo", workers=2, threads=1, cores=1, slowdown=2.0, latency_s=1 * MS, s_per_byte=1e-6,
+                  message_cpu_s=0.2 * MS, message_cpu_s_per_byte=0.0, copy_s_per_byte=0.0)
+    return Setup(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def two_layers(with_setup: Setup | None) -> Profile:
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 1000, 400, optimizer_s=0.5 * MS) for i in range(2)]
+    return Profile(layers, batch_size=1, device="test", input_bytes=10, setup=with_setup)
+
+
+def test_a_measured_setup_times_every_action_as_worked_out_by_hand():
+    """model-parallel, 2 stages, 1 minibatch. Compute is 2x slower (slowdown 2), a message takes
+    1 ms + 1000 B x 1 us/B = 2 ms on the wire and 0.2 ms of each end's CPU, an update 0.5 ms x 2."""
+    result = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(setup()), [0, 1])
+    got = [{a: (round(s / MS, 6), round(e / MS, 6)) for a, s, e in worker} for worker in result.trace]
+    by_hand_0 = {"F0": (0, 2), "SF0": (2, 2.2), "RB0": (2.2, 12.4), "B0": (12.4, 16.4), "U0": (16.4, 17.4)}
+    by_hand_1 = {"RF0": (0, 4.2), "F0": (4.2, 6.2), "B0": (6.2, 10.2), "SB0": (10.2, 10.4), "U0": (10.4, 11.4)}
+    assert got == [by_hand_0, by_hand_1]
+    # without a set-up: the layer profile alone, the optimizer step included
+    plain = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(None), [0, 1])
+    assert plain.makespan_s == pytest.approx((1 + 1 + 2 + 2 + 0.5) * MS)
+
+
+def test_the_message_cpu_counts_only_when_a_worker_has_under_two_cores():
+    roomy = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(setup(cores=8)), [0, 1])
+    assert dict((a, e - s) for a, s, e in roomy.trace[0])["SF0"] == 0.0
+
+
+def test_the_planner_counts_the_optimizer_step():
+    """Four layers of equal compute; layer 0's optimizer step is as long as two layers' compute, so the
+    balanced split moves from [0, 2] to [0, 1]."""
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 10, 100, optimizer_s=6 * MS if i == 0 else 0.0) for i in range(4)]
+    profile = Profile(layers, batch_size=8, device="test", input_bytes=10)
+    assert plan(profile, 2, "100Gbit", straight=True).boundaries == [0, 1]
+    without = Profile([LayerProfile(x.name, x.forward_s, x.backward_s, 10, 100) for x in layers], 8, "test")
+    assert plan(without, 2, "100Gbit", straight=True).boundaries == [0, 2]
+
+
+def test_the_planner_charges_message_latency_to_every_boundary():
+    """Two layers whose split halves the compute: worth it on a free link, not with 10 ms per message."""
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 10, 100) for i in range(2)]
+    fast = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=setup(latency_s=0.0, slowdown=1.0))
+    slow = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=setup(latency_s=10 * MS, slowdown=1.0))
+    assert len(plan(fast, 2, "100Gbit", straight=True, fewer_workers=True).stages) == 2
+    assert len(plan(slow, 2, "100Gbit", straight=True, fewer_workers=True).stages) == 1
+
+
+def test_profile_times_the_optimizer_and_leaves_the_model_as_it_was(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = (torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+    adam = functools.partial(torch.optim.Adam, lr=0.1)
+    measured = profile_model(model, batch, nn.functional.cross_entropy, optimizer=adam, repeats=3, warmup=2)
+    assert [x.optimizer_s > 0 for x in measured.layers] == [True, False, True]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    measured.setup = setup()
+    measured.save(tmp_path / "p.json")
+    again = Profile.load(tmp_path / "p.json")
+    assert again.setup == setup() and again.layers == measured.layers
+    old = json.loads((tmp_path / "p.json").read_text())
+    del old["setup"]
+    for entry in old["layers"]:
+        del entry["optimizer_s"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Profile.load(tmp_path / "old.json").layers[0].optimizer_s == 0.0
+
+
+def heavy_weights() -> Profile:
+    """Four layers with 25 MB of weights each and small activations: a pipeline's job at 100 Mbit/s."""
+    layers = [LayerProfile(str(i), 10 * MS, 20 * MS, 4_000, 25_000_000) for i in range(4)]
+    return Profile(layers, batch_size=32, device="test", input_bytes=4_000)
+
+
+def light_weights() -> Profile:
+    """Four layers of 4 KB weights and 40 MB activations: data parallelism's job."""
+    layers = [LayerProfile(str(i), 10 * MS, 20 * MS, 40_000_000, 4_000) for i in range(4)]
+    return Profile(layers, batch_size=32, device="test", input_bytes=40_000_000)
+
+
+def test_auto_picks_a_pipeline_when_weights_are_heavy_and_the_link_slow():
+    choice = choose_strategy(heavy_weights(), 4, "100Mbit")
+    assert choice.choice == "pipeline"
+    assert set(choice.predictions) == {"pipeline", "ddp", "pipe-sgd", "pipe-sgd-trunc16", "pipe-sgd-quant8"}
+    assert "cgdp" in choice.skipped  # a link between workers: not one machine
+    assert choice.predictions["pipeline"] > 2 * choice.predictions["ddp"]
+    assert choice.reason.startswith("pipeline is predicted fastest for 4 workers at 100 Mbit/s")
+    data = json.loads(json.dumps(choice.to_dict()))
+    assert data["choice"] == "pipeline" and data["predictions"]["ddp"] == choice.predictions["ddp"]
+
+
+def test_auto_prices_a_one_stage_plan_as_data_parallelism():
+    choice = choose_strategy(light_weights(), 4, "10Gbit")
+    assert choice.choice in ("ddp", "pipe-sgd")
+    assert "pipeline" not in choice.predictions and "data parallelism" in choice.skipped["pipeline"]
+
+
+def test_a_codec_is_predicted_but_picked_only_when_allowed():
+    """Heavy weights, 2 workers: a pipeline of 2 stages still sends 50 MB per allreduce less than
+    data parallelism, but quant8's ring sends a quarter of that."""
+    profile = heavy_weights()
+    refused = choose_strategy(profile, 2, "1Gbit", strategies=["ddp", "pipe-sgd", "pipe-sgd-quant8"])
+    allowed = choose_strategy(profile, 2, "1Gbit", strategies=["ddp", "pipe-sgd", "pipe-sgd-quant8"],
+                              allow_compression=True)
+    assert refused.predictions["pipe-sgd-quant8"] > refused.predictions["pipe-sgd"]
+    assert refused.choice == "pipe-sgd" and "allow_compression" in refused.skipped["pipe-sgd-quant8"]
+    assert "pipe-sgd-quant8 would be" in refused.reason
+    assert allowed.choice == "pipe-sgd-quant8"
+
+
+def test_cgdp_competes_on_one_machine():
+    choice = choose_strategy(light_weights(), 2, host_costs={"copy_s_per_byte": 1e-10, "sum_s_per_byte": 1e-10})
+    assert "cgdp" in choice.predictions and choice.options["cgdp"]["chunk"] >= 1
+
+
+def test_auto_refuses_what_it_would_choose_and_unknown_names():
+    with pytest.raises(ValueError, match="unknown strategies"):
+        choose_strategy(light_weights(), 2, strategies=["gpipe"])
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    with pytest.raises(ValueError, match="chooses stages itself"):
+        pipetrain.train(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=nn.functional.cross_entropy,
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), strategy="auto", workers=2,
+                        stages=[0])
+    with pytest.raises(ValueError, match="needs workers"):
+        pipetrain.train(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=nn.functional.cross_entropy,
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), strategy="auto")
+
+
+def test_train_auto_measures_chooses_and_trains_the_choice(capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    result = pipetrain.train(model, data, loss_fn=nn.functional.cross_entropy,
+                             optimizer=functools.partial(torch.optim.SGD, lr=0.1), strategy="auto", workers=2,
+                             batch_size=16, epochs=1, timeout=60)
+    assert result.choice is not None and result.choice["choice"] in result.choice["predictions"]
+    assert result.predicted_samples_per_s == result.choice["predictions"][result.choice["choice"]]
+    assert len(result.history) == 4
+    out = capsys.readouterr().out
+    assert "strategy auto" in out and result.choice["reason"] in out
