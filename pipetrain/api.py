@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 import time
 from pathlib import Path
@@ -17,14 +16,15 @@ from torch.utils.data import Dataset, default_collate
 
 from pipetrain.layers import LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
+from pipetrain.planning.choose import Choice, choose_strategy, predict_plan
 from pipetrain.planning.units import parse_bandwidth
 from pipetrain.profiling import Profile, profile_model
-from pipetrain.registry import STRATEGIES, build_schedule, lookup
+from pipetrain.registry import STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
 from pipetrain.runsetup import measure_setup, model_step
-from pipetrain.simulate import Link, simulate
+from pipetrain.simulate import Link
 
 
 @dataclass
@@ -239,8 +239,6 @@ _AUTO_PICKS = {"stages": None, "schedule": None, "vertical_sync": False, "microb
 
 def _train_auto(arguments: dict[str, Any]) -> TrainResult:
     """``train(strategy="auto", ...)``: choose on rank 0, print the table and the reason, train the choice."""
-    from pipetrain.planning.choose import Choice, choose_strategy
-
     given = [k for k, unset in _AUTO_PICKS.items() if arguments[k] != unset]
     if given:
         raise ValueError(f"strategy='auto' chooses {', '.join(given)} itself; drop {given[0]}, or name a strategy")
@@ -261,19 +259,15 @@ def _train_auto(arguments: dict[str, Any]) -> TrainResult:
                                allow_compression=arguments["allow_compression"]).to_dict()
 
     found = _on_rank0(choose, arguments["timeout"])
+    choice = Choice.from_dict(found)
     if int(os.environ.get("RANK", "0")) == 0:
-        shown = Choice(found["choice"], found["predictions"],
-                       {n: {**o, "stages": Plan.from_dict(o["stages"])} if "stages" in o else o
-                        for n, o in found["options"].items()}, found["skipped"], found["reason"])
-        print(f"pipetrain: strategy auto\n{shown.table()}\n{shown.reason}", flush=True)
-    picked = dict(found["options"][found["choice"]])
-    if "stages" in picked:
-        picked["stages"] = Plan.from_dict(picked["stages"])
-    else:
+        print(f"pipetrain: strategy auto\n{choice.table()}\n{choice.reason}", flush=True)
+    picked = choice.options[choice.choice]
+    if "stages" not in picked:
         picked["workers"] = workers
     result = train(**{**arguments, "bandwidth": None, "allow_compression": False, **picked})
     result.choice = found
-    result.predicted_samples_per_s = found["predictions"][found["choice"]]
+    result.predicted_samples_per_s = choice.predictions[choice.choice]
     return result
 
 
@@ -413,11 +407,9 @@ def _plan_here(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any],
     on the links this run has (the measured transport locally, ``bandwidth`` under torchrun)."""
     measured = _measured_profile(model, dataset, loss_fn, optimizer, batch_size, workers, threads)
     chosen = plan(measured, workers, bandwidth)
-    every = math.lcm(*chosen.replicas)
     link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
-    sim = simulate(build_schedule(schedule or "pipedream", chosen.replicas, every * -(-32 // every)), measured,
-                   chosen.boundaries, link, batch_size)
-    return {"plan": chosen.to_dict(), "predicted": sim.samples_per_s}
+    return {"plan": chosen.to_dict(),
+            "predicted": predict_plan(measured, chosen, link, batch_size, schedule or "pipedream") or None}
 
 
 def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], str],

@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -60,10 +60,6 @@ class Setup:
         """Cores each worker has to itself: the machine's over its workers."""
         return self.cores / max(self.workers, 1)
 
-    def message_s(self, nbytes: float) -> float:
-        """Seconds one message of ``nbytes`` takes from send to arrival (:func:`pipetrain.costs.message_time`)."""
-        return costs.message_time(nbytes, self.latency_s, self.s_per_byte)
-
     def message_cpu(self, nbytes: float) -> float:
         """CPU seconds one message of ``nbytes`` costs one of its ends."""
         return costs.message_time(nbytes, self.message_cpu_s, self.message_cpu_s_per_byte)
@@ -73,9 +69,6 @@ class Setup:
         under 2 cores (its transport threads then run on the cores it computes on), else none
         (:func:`pipetrain.costs.shared_core_compute_s`)."""
         return costs.shared_core_compute_s(0.0, 0.0, self.message_cpu(nbytes), self.cores_per_worker)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @staticmethod
     def from_dict(data: Any, field_of: Callable[..., Any]) -> Setup:
@@ -101,9 +94,10 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     ``kernel`` (default: a float32 matmul; pass one training step of the model for a faithful
     figure) alone for ``seconds``, then every rank runs it at once; ``slowdown`` is the ranks' mean
     time per call over rank 0's alone. Messages: ranks 0 and 1 play ping-pong through the runtime's
-    :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES` while a thread of
-    theirs and every other rank compute, as in a running pipeline; one way is half a round trip,
-    and a message's CPU is the process's CPU time beyond its compute thread's, per message end.
+    :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
+    half a round trip: first with nothing else running in the two processes, for the CPU time per
+    message end; then while a thread of each runs ``kernel``, as the compute thread of a running
+    pipeline does, for the time per message.
     """
     from pipetrain.runtime.launch import spawn
 
@@ -126,7 +120,6 @@ def _step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torc
 
 
 def _matmul(n: int) -> None:
-    torch.manual_seed(0)
     a = torch.randn(n, n)
     (a @ a).sum().item()
 
@@ -208,15 +201,25 @@ def _line(points: list[float]) -> tuple[float, float]:
     return max(0.0, points[0] - MESSAGE_SIZES[0] * slope), slope
 
 
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,
+                   sync: Callable[[], Any] | None = None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones; ``sync``
+    (e.g. ``torch.cuda.synchronize``) ends each timed call, for work a device runs asynchronously."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _copy_s_per_byte(device: torch.device, nbytes: int = 1 << 24) -> float:
     """Seconds per byte of copying ``nbytes`` on ``device`` (median of 5)."""
     a = torch.empty(nbytes // 4, device=device)
     b = torch.empty_like(a)
-    times = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) / nbytes
+    return median_seconds(lambda: b.copy_(a), 5, sync=torch.cuda.synchronize if device.type == "cuda" else None) \
+        / nbytes

@@ -178,6 +178,15 @@ class SimResult:
                 "peak_activation_bytes": self.peak_activation_bytes}
 
 
+def _link_terms(link: Link, setup: Setup | None) -> tuple[float, float]:
+    """(latency, seconds per byte) of one message on ``link``: with a measured set-up, its message
+    latency more, at the slower of the link's and the measured transport's seconds per byte
+    (see [Note: run set-up])."""
+    if setup is None:
+        return link.latency_s, 1 / link.bandwidth_Bps
+    return link.latency_s + setup.latency_s, max(1 / link.bandwidth_Bps, setup.s_per_byte)
+
+
 class _Sim:
     """The mutable state of one simulation; see [Note: timing rules]."""
 
@@ -205,23 +214,20 @@ class _Sim:
         self.in_flight = [0] * n  # (micro)batches between F and B
         self.peak_versions, self.peak_in_flight = [1] * n, [0] * n
         # PipeDream §3.2's W^m: the parameter-server volume over one link; nothing for one replica
+        self.latency_s, self.byte_s = _link_terms(link, setup)
         self.sync_s = list(sync_s) if sync_s is not None else [
             0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r)) if setup is None else
-            costs.ring_allreduce_time(r, c.parameter_bytes, link.latency_s + setup.latency_s, self._byte_s(), 0.0)
+            costs.ring_allreduce_time(r, c.parameter_bytes, self.latency_s, self.byte_s, 0.0)
             for c, r in zip(stages, schedule.replicas)]
         # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
         self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and
                        s < len(stages) - 1 else 0.0 for s, c in enumerate(stages)]
 
-    def _byte_s(self) -> float:
-        """Seconds per byte of a transfer: the link's, or the measured transport's if slower."""
-        return max(1 / self.link.bandwidth_Bps, 0.0 if self.setup is None else self.setup.s_per_byte)
-
     def _transfer_s(self, nbytes: float) -> float:
         """Seconds one message occupies its link (see [Note: run set-up])."""
         if self.setup is None:
             return self.link.transfer_s(nbytes)
-        return costs.message_time(nbytes, self.link.latency_s + self.setup.latency_s, self._byte_s())
+        return costs.message_time(nbytes, self.latency_s, self.byte_s)
 
     def _cpu_s(self, nbytes: float) -> float:
         """Compute seconds one message end takes from its worker (see [Note: run set-up])."""
@@ -462,14 +468,14 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     setup = profile.setup
     slowdown = 1.0 if setup is None else setup.slowdown
     compute_s = costs.contended_s((whole.forward_s + whole.backward_s) / workers, slowdown)
-    update_s = costs.contended_s(whole.update_s if update_s is None else update_s, slowdown)
+    if update_s is None:  # as the simulator does: a caller's update_s is taken as given
+        update_s = costs.contended_s(whole.update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
     payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
     if reduce_s is None:
         reduce_s = ring_compute_seconds(codec, elements, workers)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
-    latency = link.latency_s + (0.0 if setup is None else setup.latency_s)
-    byte_s = max(1 / link.bandwidth_Bps, 0.0 if setup is None else setup.s_per_byte)
+    latency, byte_s = _link_terms(link, setup)
     comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) if workers > 1 else 0.0
     if comm_cpu_s is None:  # each of the 2(p-1) steps sends one block and receives one
         comm_cpu_s = 0.0 if setup is None else 4 * (workers - 1) * setup.message_cpu(payload / workers)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset, default_collate
 
+from pipetrain.runsetup import median_seconds
 from pipetrain.trace import Record, seconds_by_kind, update_ends
 
 from simreal.workload import Config
@@ -49,21 +50,11 @@ def time_runtime_extras(model: nn.Sequential, boundaries: list[int], data: Tenso
             for g, n in zip(grads, new):
                 g += n
 
-        copies.append(_median_s(copy, repeats))
-        accumulate.append(_median_s(add, repeats))
-    load = _median_s(lambda: default_collate([data[i][0] for i in range(batch)]), repeats)
+        copies.append(median_seconds(copy, repeats, 2))
+        accumulate.append(median_seconds(add, repeats, 2))
+    load = median_seconds(lambda: default_collate([data[i][0] for i in range(batch)]), repeats, 2)
     return {"stash_copy_s": copies, "accumulate_s": accumulate, "load_batch_s": load,
             "page_fault_us": page_fault_us()}
-
-
-def _median_s(fn: Any, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls after 2 warm-up calls."""
-    times = []
-    for _ in range(repeats + 2):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
 
 
 def page_fault_us(megabytes: int = 64, repeats: int = 5) -> float:

@@ -142,7 +142,10 @@ class LoadSampler:
 
     def _sample(self) -> None:
         tree = own_tree()
-        self.samples.append(Sample(time.perf_counter(), machine_busy_s(), own_cpu_s(tree), tree))
+        # CPU time only grows; a process that exits after its /proc entry was read and before its parent
+        # reaped it counts in neither for one sample, which would show as a dip and as foreign load
+        own = max(own_cpu_s(tree), self.samples[-1].own_s if self.samples else 0.0)
+        self.samples.append(Sample(time.perf_counter(), machine_busy_s(), own, tree))
 
     def _loop(self) -> None:
         assert self.period is not None

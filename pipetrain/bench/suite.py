@@ -52,6 +52,7 @@ import torch
 
 from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, ps_sync, summarize, \
     torch_pipeline
+from pipetrain.runsetup import median_seconds
 
 PIPE_SGD = {"pipe-sgd": None, "pipe-sgd-trunc16": "trunc16", "pipe-sgd-quant8": "quant8"}
 """pipetrain's Pipe-SGD (K = 2) with each codec inside its ring allreduce."""
@@ -338,26 +339,15 @@ def stage_times(peer: PeerConfig, boundaries: Sequence[int], repeats: int = 10, 
 
             opt = torch.optim.SGD(params, lr=peer.lr) if params else None
             row = {"layers": [bounds[s], ends[s] - 1], "params": sum(p.numel() for p in params),
-                   "forward_backward_s": _median_time(forward_backward, repeats, warmup),
-                   "update_s": _median_time(opt.step, repeats, warmup) if opt else 0.0,
-                   "weight_copy_s": _median_time(lambda: [p.detach().clone() for p in params], repeats, warmup)}
+                   "forward_backward_s": median_seconds(forward_backward, repeats, warmup),
+                   "update_s": median_seconds(opt.step, repeats, warmup) if opt else 0.0,
+                   "weight_copy_s": median_seconds(lambda: [p.detach().clone() for p in params], repeats, warmup)}
             out.append(row)
             with torch.no_grad():
                 value = _as_tuple(piece(*value))
         return out
     finally:
         torch.set_num_threads(before)
-
-
-def _median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], split: list[int], source: str,

@@ -16,7 +16,8 @@ from typing import Any
 
 from pipetrain.costs import ring_allreduce_time
 from pipetrain.planning.partition import plan
-from pipetrain.planning.units import format_bandwidth
+from pipetrain.planning.result import Plan
+from pipetrain.planning.units import format_bandwidth, parse_bandwidth
 from pipetrain.profiling import Profile
 from pipetrain.registry import build_schedule
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
@@ -60,6 +61,13 @@ class Choice:
                  for name, opts in self.options.items()}
         return {"choice": self.choice, "predictions": self.predictions, "options": plain, "skipped": self.skipped,
                 "reason": self.reason}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Choice:
+        """The choice :meth:`to_dict` gave (plans as Plans again)."""
+        options = {name: {**opts, "stages": Plan.from_dict(opts["stages"])} if "stages" in opts else dict(opts)
+                   for name, opts in data["options"].items()}
+        return Choice(data["choice"], dict(data["predictions"]), options, dict(data["skipped"]), data["reason"])
 
     def table(self) -> str:
         """The predictions as a small table, fastest first, the choice marked."""
@@ -106,8 +114,6 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
     Raises:
         ValueError: an unknown candidate, workers < 1, or no candidate that can run.
     """
-    from pipetrain.planning.units import parse_bandwidth
-
     names = list(CANDIDATES) if strategies is None else list(strategies)
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
@@ -134,10 +140,7 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
             if len(chosen.stages) == 1:
                 skipped[name] = "the best plan is one stage on every worker: data parallelism, priced as ddp"
                 continue
-            every = math.lcm(*chosen.replicas)  # every replica joins every sync
-            sim = simulate(build_schedule("pipedream", chosen.replicas, -(-minibatches // every) * every), profile,
-                           chosen.boundaries, link, batch)
-            rate = sim.samples_per_s or 0.0
+            rate = predict_plan(profile, chosen, link, batch, minibatches=minibatches)
             opts["stages"] = chosen
         elif name == "cgdp":
             rate, opts["chunk"] = _best_chunk(profile, workers, batch, host_costs)
@@ -148,7 +151,7 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
         predictions[name], options[name] = rate, opts
         if name in COMPRESSED and not allow_compression:
             skipped[name] = "changes the arithmetic: allow_compression=True (--allow-compression) to pick it"
-    allowed = {n: r for n, r in predictions.items() if not (n in COMPRESSED and not allow_compression)}
+    allowed = {n: r for n, r in predictions.items() if n not in skipped}
     if not allowed:
         raise ValueError(f"no strategy can run {workers} workers here: " +
                          "; ".join(f"{n}: {w}" for n, w in skipped.items()))
@@ -162,6 +165,16 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
     if faster:
         reason += f" ({faster[0]} would be {predictions[faster[0]] / allowed[best]:.2f}x, with compression allowed)"
     return Choice(best, predictions, options, skipped, reason)
+
+
+def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int, schedule: str = "pipedream",
+                 minibatches: int = 32) -> float:
+    """Samples/s of ``chosen`` run by ``schedule`` over ``link``, simulated for about ``minibatches``
+    (rounded up so every replica joins every sync)."""
+    every = math.lcm(*chosen.replicas)
+    sim = simulate(build_schedule(schedule, chosen.replicas, -(-minibatches // every) * every), profile,
+                   chosen.boundaries, link, batch_size)
+    return sim.samples_per_s or 0.0
 
 
 def _cannot(name: str, workers: int, batch: int, one_machine: bool) -> str:

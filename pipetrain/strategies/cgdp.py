@@ -379,7 +379,7 @@ def measure_host_costs(elements: int, local: int, dtype: torch.dtype = torch.flo
 
     Both run on the worker's summing thread: with the two signals, they are a chunk's t_aa.
     """
-    import statistics
+    from pipetrain.runsetup import median_seconds
 
     n = max(local, elements)
     slots = torch.rand(local, n, dtype=dtype)
@@ -398,13 +398,6 @@ def measure_host_costs(elements: int, local: int, dtype: torch.dtype = torch.flo
                 out.add_(slots[r][:share])
         out.div_(local)
 
-    def seconds(fn: Any) -> float:
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
-
     nbytes = n * slots.element_size()
-    return {"copy_s_per_byte": seconds(copy) / nbytes, "sum_s_per_byte": seconds(add) / nbytes}
+    return {"copy_s_per_byte": median_seconds(copy, repeats) / nbytes,
+            "sum_s_per_byte": median_seconds(add, repeats) / nbytes}
