@@ -158,3 +158,43 @@ def test_too_little_shared_memory_is_said_before_any_worker_starts(monkeypatch) 
     monkeypatch.setattr(os, "statvfs", lambda path: Tiny())
     with pytest.raises(ValueError, match=r"cgdp needs 0 MiB of shared memory in /dev/shm .* --shm-size"):
         train()
+
+
+def test_the_chunk_search_hears_every_iteration_when_the_last_chunk_comes_back_in_a_hook(monkeypatch) -> None:
+    """The summing thread may finish the iteration's last chunk before the backward's last hook looks:
+    the chunk then comes back in the hook, not at ``S``, and the slowest worker's time it carries must
+    still reach the search (once lost, workers fell out of step on the chunk size and hung). Forced
+    here by making every hook wait for the sums it looks at."""
+    import torch.distributed as dist
+    from pipetrain.strategies.base import SyncContext
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        net = model()
+        sync = cgdp_module.cgdp(SyncContext(rank=0, replicas=(1,), device=torch.device("cpu"), timeout=20,
+                                            chunk="auto"))
+        sync.wrap(net)
+        real_ready = sync._done.ready
+
+        def ready_once_summed(key) -> bool:
+            deadline = time.monotonic() + 10
+            while not real_ready(key) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return real_ready(key)
+
+        monkeypatch.setattr(sync._done, "ready", ready_once_summed)
+        x, y = dataset().tensors
+        iterations = 25
+        for t in range(iterations):
+            weights = dict(net.named_parameters())
+            sync.watch(weights)
+            nn.functional.mse_loss(net(x[:BATCH]), y[:BATCH]).backward()
+            sync.start(t, weights)
+            sync.wait(t, weights)
+        sync.close()
+        # the first iteration has no time yet (it started nothing before it), every later one is heard
+        assert sync.search.iterations == iterations - 1
+        assert sync.chunks[:11] == [1] * 11 and sync.chunks[11:21] == [2] * 10
+    finally:
+        dist.destroy_process_group()

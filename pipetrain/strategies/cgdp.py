@@ -140,6 +140,7 @@ class HostSum(GradSync):
         self._flag = torch.zeros(1)
         self._stamp = 0  # iterations so far
         self._last_sent: float | None = None
+        self._slowest: float | None = None  # this iteration's slowest worker time, once its last chunk is back
 
     # -- set-up ----------------------------------------------------------------------------------
     def wrap(self, module: nn.Module) -> nn.Module:
@@ -243,23 +244,27 @@ class HostSum(GradSync):
 
     def wait(self, mb: int, weights: Weights) -> None:
         """At ``S``: take back every chunk (B-5-1), then let the chunk search pick the next size."""
-        slowest = None
         while self._back < len(self._sent):
-            slowest = self._take_back(block=True)
+            self._take_back()
         if self._cuda:
             torch.cuda.current_stream(self.ctx.device).wait_stream(self._h2d)
         self.chunks.append(self._chunk_size)
         self._stamp += 1
+        slowest, self._slowest = self._slowest, None
+        # the last chunk may have come back in a hook or here: either way every worker has its time
         if self.search is not None and slowest is not None and slowest >= 0:
             # every worker feeds the same (slowest) time, so all pick the same chunk size
             self._use(self.search.record(slowest))
         else:
             self._reset()
 
-    def _take_back(self, block: bool = False) -> float | None:
-        """The next sent chunk's sum onto ``.grad``: views of the shared sum on CPU, a copy on a GPU."""
+    def _take_back(self) -> None:
+        """The next sent chunk's sum onto ``.grad``: views of the shared sum on CPU, a copy on a GPU; the
+        iteration's last chunk also brings the slowest worker's iteration time."""
         c = self._sent[self._back]
         slowest = self._done.take((self._stamp, c), f"the host gradient sum of chunk {c} of iteration {self._stamp}")
+        if slowest is not None:
+            self._slowest = slowest
         total = self._host.total[self._stamp % 2]
         for p in self._chunks[c]:
             view = total[self._offset[p]:self._offset[p] + p.numel()].view(p.shape)
@@ -270,7 +275,6 @@ class HostSum(GradSync):
             else:
                 p.grad = view
         self._back += 1
-        return slowest
 
     def close(self) -> None:
         self._jobs.put(None)
