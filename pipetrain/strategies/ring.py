@@ -32,14 +32,19 @@ from pipetrain.strategies.compression import Codec
 __all__ = ["block_size", "ring_allreduce", "ring_compute_seconds"]
 
 CHUNK_BYTES = 1 << 20
-"""[Note: chunks] A block travels as chunks of about 1 MiB of payload, and each chunk goes on to the
-next hop as soon as it has arrived and been reduced (the pipelined ring of Pipe-SGD Fig. 3a: a
-chunk's decode, add and encode overlap the transfer of the chunks behind it). Two measurements on the
-emulated 1 Gbit/s cluster made this the design: (1) gloo moves one large message between two ranks
-one direction at a time: 2 ranks swapping 53.6 MB whole took 0.88 s, as long as sending then
-receiving, and 0.45-0.46 s (the link's 0.447 s) in 1-4 MiB pieces; (2) with quant8 on vgg-like, the
-codec calls of a whole-block ring took 95 ms of a 395 ms allreduce while the compute thread shared
-the core."""
+"""[Note: chunks] A block travels as chunks of at most 1 MiB of payload, and at least
+:data:`CHUNKS_PER_BLOCK` of them (none under :data:`MIN_CHUNK_BYTES`); each chunk goes on to the next
+hop as soon as it has arrived and been reduced (the pipelined ring of Pipe-SGD Fig. 3a: a chunk's
+decode, add and encode overlap the transfer of the chunks behind it). Measurements on the emulated
+cluster made this the design: (1) gloo moves one large message between two ranks one direction at a
+time: 2 ranks swapping 53.6 MB whole took 0.88 s at 1 Gbit/s, as long as sending then receiving,
+and 0.45-0.46 s (the link's 0.447 s) in 1-4 MiB pieces; (2) with quant8 on vgg-like, the codec calls
+of a whole-block ring took 95 ms of a 395 ms allreduce while the compute thread shared the core;
+(3) a 1.3 MB block at 100 Mbit/s in 1 MiB chunks (two, uneven) took 360 ms against the link's 216,
+in 256 KiB or 64 KiB chunks 225-227 ms (quant8: 93, 73, 57 ms), while vgg-like at 1 Gbit/s is the
+same in 1 MiB and 256 KiB chunks (917 and 926 ms)."""
+CHUNKS_PER_BLOCK = 8
+MIN_CHUNK_BYTES = 1 << 16
 
 def block_size(n: int, world: int, granule: int) -> int:
     """Elements per ring block: ceil(n / world) rounded up to a multiple of granule (>= granule)."""
@@ -95,9 +100,10 @@ Chunk = tuple[slice, slice]  # elements of a block, bytes of its payload
 
 
 def _chunks(b: int, codec: Codec, dtype: torch.dtype) -> list[Chunk]:
-    """A block cut into pieces of about CHUNK_BYTES of payload, each a whole number of granules, with
-    the slice of the block's payload each piece's payload takes (see [Note: chunks])."""
-    size = max(1, CHUNK_BYTES // codec.payload_bytes(codec.granule, dtype)) * codec.granule
+    """A block cut into pieces of payload, each a whole number of granules, with the slice of the
+    block's payload each piece's payload takes (sizes: see [Note: chunks])."""
+    target = min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, codec.payload_bytes(b, dtype) // CHUNKS_PER_BLOCK))
+    size = max(1, target // codec.payload_bytes(codec.granule, dtype)) * codec.granule
     out, at = [], 0
     for lo in range(0, b, size):
         n = codec.payload_bytes(min(size, b - lo), dtype)
