@@ -120,6 +120,11 @@ class LayeredModel:
             graph.output(tuple(env[v] for v in self._live_after(last)))
         return fx.GraphModule(self.model, graph, class_name="Stage")
 
+    def takes_tuple(self, first: int) -> bool:
+        """Whether the stage beginning at layer ``first`` takes a tuple (an fx cut, or several model
+        inputs) rather than one value, even when one tensor crosses."""
+        return self._graph is not None and not (first == 0 and len(self._inputs) == 1)
+
     def stages(self, boundaries: list[int]) -> Iterator[nn.Module]:
         """One module per stage, given the first layer index of each stage."""
         ends = [*boundaries[1:], len(self)]

@@ -86,14 +86,20 @@ class Setup:
                 f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end")
 
 
-def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None = None, seconds: float = 0.4,
-                  rounds: int = 20, timeout: float = 60.0) -> Setup:
+Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
+"""``launch(fn, args, world)``: run ``fn(*args)`` as ranks 0..world-1 and return their results."""
+
+
+def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None = None, seconds: float = 0.3,
+                  rounds: int = 20, timeout: float = 60.0, launch: Launcher | None = None,
+                  compute_rounds: int = 3) -> Setup:
     """Measure the set-up of ``workers`` worker processes of ``threads`` torch threads on this machine.
 
-    It starts max(2, ``workers``) processes with the runtime's launcher. Compute: rank 0 runs
+    It starts max(2, ``workers``) processes with ``launch`` (default: the runtime's launcher; the
+    emulated cluster's puts each on its own host). Compute, ``compute_rounds`` times: rank 0 runs
     ``kernel`` (default: a float32 matmul; pass one training step of the model for a faithful
-    figure) alone for ``seconds``, then every rank runs it at once; ``slowdown`` is the ranks' mean
-    time per call over rank 0's alone. Messages: ranks 0 and 1 play ping-pong through the runtime's
+    figure) alone for ``seconds``, then every rank runs it at once; ``slowdown`` is the median over
+    the rounds of the ranks' mean time per call over rank 0's alone. Messages: ranks 0 and 1 play ping-pong through the runtime's
     :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
     half a round trip: first with nothing else running in the two processes, for the CPU time per
     message end; then while a thread of each runs ``kernel``, as the compute thread of a running
@@ -102,8 +108,11 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     from pipetrain.runtime.launch import spawn
 
     kernel = kernel or functools.partial(_matmul, 256)
-    results = spawn(_probe, max(2, workers), (workers, threads, kernel, seconds, rounds, timeout),
-                    describe="set-up probe {}".format)
+    args = (workers, threads, kernel, seconds, rounds, timeout, compute_rounds)
+    if launch is None:
+        results = spawn(_probe, max(2, workers), args, describe="set-up probe {}".format)
+    else:
+        results = launch(_probe, args, max(2, workers))
     return Setup(**results[0])
 
 
@@ -135,7 +144,7 @@ def _run_for(kernel: Callable[[], Any], seconds: float, stop: threading.Event | 
 
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
-           timeout: float) -> dict[str, Any]:
+           timeout: float, compute_rounds: int) -> dict[str, Any]:
     """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields."""
     import torch.distributed as dist
 
@@ -145,13 +154,16 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     torch.set_num_threads(threads)
     device = init_distributed(timeout)
     rank = dist.get_rank()
-    dist.barrier()
-    alone = _run_for(kernel, seconds) if rank == 0 else 0.0
-    dist.barrier()
-    together = _run_for(kernel, seconds) if rank < workers else 0.0
-    times: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(times, together)
-    slowdown = statistics.mean(times[:workers]) / alone if rank == 0 and workers > 1 else 1.0
+    ratios = []
+    for _ in range(compute_rounds):
+        dist.barrier()
+        alone = _run_for(kernel, seconds) if rank == 0 else 0.0
+        dist.barrier()
+        together = _run_for(kernel, seconds) if rank < workers else 0.0
+        times: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(times, together)
+        ratios.append(statistics.mean(times[:workers]) / alone if rank == 0 else 1.0)
+    slowdown = statistics.median(ratios) if workers > 1 else 1.0
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
     # CPU per message with nothing else running in the two processes; then the time per message while
     # a thread of each computes, as the compute thread of a running pipeline does

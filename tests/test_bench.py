@@ -80,3 +80,41 @@ def test_microbatch_counts_and_bad_config() -> None:
     with pytest.raises(ValueError, match="one worker per stage"):
         SuiteConfig(stages=[0, 3, 5])
     assert SuiteConfig(systems=("ddp",)).hosts == 2 and SuiteConfig(systems=("ddp", "ps-sync")).hosts == 3
+
+
+def test_auto_is_judged_against_every_run_and_among_exact_strategies() -> None:
+    """With codecs allowed the pick is quant8 (predicted fastest), measured at 100 of the fastest 110
+    (pipedream): met at 0.91; without codecs the pick is the pipeline, the fastest exact strategy."""
+    from pipetrain.bench.suite import _judge
+    from pipetrain.planning.choose import Choice
+
+    options = {"pipeline": {"strategy": "pipeline"}, "ddp": {"strategy": "ddp"},
+               "pipe-sgd-quant8": {"strategy": "pipe-sgd", "compression": "quant8"}}
+    choice = Choice("pipe-sgd-quant8", {"pipeline": 100.0, "ddp": 50.0, "pipe-sgd-quant8": 120.0}, options)
+    judged = _judge(choice, {"pipedream": 110.0, "ddp": 60.0, "pipe-sgd-quant8": 100.0})
+    assert judged["measured"] == {"pipeline": 110.0, "ddp": 60.0, "pipe-sgd-quant8": 100.0}
+    assert judged["any"] == {"pick": "pipe-sgd-quant8", "best": "pipeline", "pick_vs_best": 100 / 110, "met": True}
+    assert judged["exact"] == {"pick": "pipeline", "best": "pipeline", "pick_vs_best": 1.0, "met": True}
+    # a pipeline priced as data parallelism is no candidate, but its run still counts as the fastest
+    dp_only = Choice("ddp", {"ddp": 50.0}, {"ddp": {"strategy": "ddp"}},
+                     {"pipeline": "the best plan is one stage on every worker"})
+    judged = _judge(dp_only, {"pipedream": 110.0, "ddp": 60.0})
+    assert judged["any"] == {"pick": "ddp", "best": "pipeline", "pick_vs_best": 60 / 110, "met": False}
+
+
+def test_bench_auto_on_loopback_prices_the_candidates_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--auto``: a profile and set-up first, one prediction per candidate run, pipedream on the priced
+    plan, and the pick judged against the measured rates."""
+    assert main(["bench", *TINY, "--loopback", "--systems", "pipedream,ddp,pipe-sgd", "--auto", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    auto = report["auto"]
+    assert set(auto["predictions"]) | set(auto["skipped"]) == {"pipeline", "ddp", "pipe-sgd"}  # cgdp is not run
+    assert all(v > 0 for v in auto["predictions"].values())
+    assert auto["measured"] == {"pipeline": report["samples_per_s"]["pipedream"], "ddp": report["samples_per_s"]["ddp"],
+                                "pipe-sgd": report["samples_per_s"]["pipe-sgd"]}
+    if "pipeline" in auto["options"]:
+        assert report["pipedream"]["plan"] == auto["options"]["pipeline"]["stages"]
+    best = max(auto["measured"], key=auto["measured"].get)
+    assert auto["any"]["best"] == best and auto["any"]["pick"] == auto["choice"]
+    assert auto["any"]["pick_vs_best"] == auto["measured"][auto["choice"]] / auto["measured"][best]
+    assert "strategy auto (predicted from a profile" in format_table(report)

@@ -182,3 +182,49 @@ def test_a_silent_worker_fails_the_sync_within_the_timeout() -> None:
     with pytest.raises(pipetrain.PipetrainError, match="did not finish within 3s: a worker died or went silent"):
         train(net=faulty("hang"), timeout=3)
     assert time.monotonic() - t0 < 30
+
+
+def bn_model() -> torch.nn.Sequential:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(SIZES[0], SIZES[1]), torch.nn.BatchNorm1d(SIZES[1]), torch.nn.Tanh(),
+                               torch.nn.Linear(SIZES[1], SIZES[2])).double()
+
+
+def bn_reference(workers: int) -> dict[str, torch.Tensor]:
+    """Synchronous SGD on a BatchNorm model, by hand: every worker normalizes its own shard with that
+    shard's statistics and keeps its own running statistics; the weights take the mean gradient; at each
+    epoch's end the running statistics become the workers' mean."""
+    (w1, b1, gamma, beta, w2, b2) = (p.detach().clone() for p in bn_model().parameters())
+    mean = [torch.zeros(SIZES[1], dtype=torch.float64) for _ in range(workers)]
+    var = [torch.ones(SIZES[1], dtype=torch.float64) for _ in range(workers)]
+    x_all, y_all = dataset().tensors
+    shard, momentum = BATCH // workers, 0.1
+    for _ in range(EPOCHS):
+        for m in range(N_MB):
+            params = [p.clone().requires_grad_() for p in (w1, b1, gamma, beta, w2, b2)]
+            total = [torch.zeros_like(p) for p in params]
+            for i in range(workers):
+                lo = m * BATCH + i * shard
+                x, y = x_all[lo:lo + shard], y_all[lo:lo + shard]
+                h = x @ params[0].T + params[1]
+                mu, v = h.mean(0), h.var(0, unbiased=False)
+                out = torch.tanh((h - mu) / torch.sqrt(v + 1e-5) * params[2] + params[3]) @ params[4].T + params[5]
+                for t, g in zip(total, torch.autograd.grad(((out - y) ** 2).mean(), params)):
+                    t += g
+                with torch.no_grad():
+                    mean[i] = (1 - momentum) * mean[i] + momentum * mu
+                    var[i] = (1 - momentum) * var[i] + momentum * h.var(0, unbiased=True)
+            w1, b1, gamma, beta, w2, b2 = (p.detach() - LR * g / workers for p, g in zip(params, total))
+        mean = [sum(mean) / workers] * workers
+        var = [sum(var) / workers] * workers
+    return {"0.weight": w1, "0.bias": b1, "1.weight": gamma, "1.bias": beta, "1.running_mean": mean[0],
+            "1.running_var": var[0], "3.weight": w2, "3.bias": b2}
+
+
+@pytest.mark.parametrize("strategy,kw", [("ddp", {}), ("cgdp", {"chunk": 1}), ("pipe-sgd", {"staleness": 1})])
+def test_batchnorm_statistics_are_the_workers_mean_after_each_epoch(strategy: str, kw: dict) -> None:
+    """Workers' running statistics drift apart (each sees its own shard); they are averaged at every
+    epoch's end, so the workers end identical (they used to fail the end-of-run check) and exact."""
+    state = train(strategy, net=bn_model(), **kw).model.state_dict()
+    for key, want in bn_reference(2).items():
+        torch.testing.assert_close(state[key], want, rtol=0, atol=1e-9, msg=key)

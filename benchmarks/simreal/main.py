@@ -3,6 +3,7 @@ and why)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p, prof_foreign = patience(take_profiles, "profiles")
     prof, prof_micro, boundaries, update, extras = (p[k] for k in ("prof", "prof_micro", "boundaries", "update",
                                                                     "extras"))
+    setup, _ = patience(lambda _: predict.measured_setup(model, data, cfg.batch, len(boundaries)), "set-up")
+    prof.setup = prof_micro.setup = setup
+    print(f"run set-up: {setup.describe()}")
     stage_layers = [(a, b - 1) for a, b in zip(boundaries, [*boundaries[1:], len(prof)])]
     by_m = {1: prof, cfg.micro: predict.as_microbatched(prof_micro, cfg.micro, cfg.batch)}
     corun = {b: diagnose.corun_slowdown(cfg, model, stage_layers, b) for b in (cfg.batch, cfg.batch // cfg.micro)}
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 4. simulate the same action lists
     rows = []
     for schedule, m in cfg.schedules:
-        a = predict.from_layer_profile(cfg, schedule, m, by_m, boundaries, link, update)
+        a = predict.from_layer_profile(cfg, schedule, m, by_m, boundaries)
         bs = [predict.from_replay(cfg, schedule, m, stages, cut_bytes, link) for stages in replays[schedule]]
         pred_b = statistics.median(b.samples_per_s for b in bs)
         measured = statistics.median(r["samples_per_s"] for r in runs[schedule])
@@ -163,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "minibatches": cfg.minibatches, "skip": cfg.skip, "tail": cfg.tail, "reps": cfg.reps,
                       "boundaries": boundaries, "quick": args.quick, "smoke": args.smoke},
            "profile_foreign_cores": prof_foreign, "update_s": update, "extras": extras,
+           "setup": dataclasses.asdict(setup),
            "corun_cpu_slowdown": corun, "elapsed_s": elapsed,
            "link": {"bandwidth_Bps": link.bandwidth_Bps, "latency_s": link.latency_s, **link_raw,
                     "foreign_cores": link_foreign},

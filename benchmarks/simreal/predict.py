@@ -2,19 +2,21 @@
 
 Three predictions of the same action lists, changing one input at a time:
 
-* (A) :func:`from_layer_profile`: the layer profile (``pipetrain.profile`` in this one process, one
-  thread, like every worker), the optimizer step timed per stage, the idle ping-pong link.
+* (A) :func:`from_layer_profile`: what ``stages="auto"`` predicts with: the layer profile
+  (``pipetrain.profile`` in this one process, one thread, like every worker) with each layer's SGD
+  step, and the run set-up measured with two workers (:func:`measured_setup`: how the two slow each
+  other on shared cores, what a message costs while they compute, copies).
 * (B) :func:`from_replay`: each stage's worker replayed alone (:func:`simreal.runs.replay`): what the
   runtime's code costs beyond the layers, with the same link.
 * (C) :func:`from_real_times`: a real run's own mean action times and message delivery time: a check
   of the simulator's rules, not a prediction.
 
 Each gives the benchmark's statistic (:func:`rate`) and the simulated trace. This module is the one
-to change when the profile and the simulator learn more (e.g. per-layer optimizer time, per-message
-cost, cores shared by workers).
+to change when the profile and the simulator learn more.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -29,10 +31,11 @@ from torch.utils.data import TensorDataset
 import pipetrain
 from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.registry import build_schedule
+from pipetrain.runsetup import Setup, measure_setup, model_step
 from pipetrain.simulate import Link, simulate
 from pipetrain.trace import Record, deliveries, durations, step_rates
 
-from simreal.workload import Config
+from simreal.workload import LR, Config
 
 
 @dataclass
@@ -50,8 +53,9 @@ def rate(cfg: Config, traces: list[list[Record]]) -> float:
 
 
 def predict(cfg: Config, schedule: str, m: int, profile: Profile, boundaries: list[int], link: Link,
-            update_s: float) -> Prediction:
-    """Simulate ``schedule`` (``cfg.minibatches`` minibatches, ``m`` microbatches) on one worker per stage."""
+            update_s: float | None) -> Prediction:
+    """Simulate ``schedule`` (``cfg.minibatches`` minibatches, ``m`` microbatches) on one worker per stage
+    (``update_s`` None: each stage's optimizer steps from the profile)."""
     sched = build_schedule(schedule, [1] * len(boundaries), cfg.minibatches, m)
     sim = simulate(sched, profile, boundaries, link, batch_size=cfg.batch, update_s=update_s)
     return Prediction(rate(cfg, sim.trace), sim.samples_per_s or math.nan, sim.trace)
@@ -59,9 +63,17 @@ def predict(cfg: Config, schedule: str, m: int, profile: Profile, boundaries: li
 
 # -- (A) the layer profile -------------------------------------------------------------------------
 def profile_at(model: nn.Module, data: TensorDataset, batch: int, repeats: int) -> Profile:
-    """``pipetrain.profile`` of ``model`` on the first ``batch`` samples."""
+    """``pipetrain.profile`` of ``model`` on the first ``batch`` samples, with the runs' SGD step per layer."""
     x, y = data.tensors[0][:batch], data.tensors[1][:batch]
-    return pipetrain.profile(model, (x, y), F.cross_entropy, repeats=repeats, warmup=3)
+    return pipetrain.profile(model, (x, y), F.cross_entropy, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                             repeats=repeats, warmup=3)
+
+
+def measured_setup(model: nn.Module, data: TensorDataset, batch: int, workers: int) -> Setup:
+    """The run set-up of ``workers`` one-thread workers, one training step at ``batch`` as their shared work
+    (:func:`pipetrain.runsetup.measure_setup`, as ``stages="auto"`` measures it)."""
+    x, y = data.tensors[0][:batch], data.tensors[1][:batch]
+    return measure_setup(workers, 1, model_step(model, (x, y), F.cross_entropy))
 
 
 def as_microbatched(micro: Profile, m: int, batch: int) -> Profile:
@@ -75,7 +87,7 @@ def as_microbatched(micro: Profile, m: int, batch: int) -> Profile:
     layers = [replace(l, forward_s=l.forward_s * m, backward_s=l.backward_s * m,
                       activation_bytes=l.activation_bytes * m) for l in micro.layers]
     return Profile(layers, batch, micro.device, micro.model, micro.input_bytes * m,
-                   {**micro.meta, "measured_at_batch": micro.batch_size, "scaled_by": m})
+                   {**micro.meta, "measured_at_batch": micro.batch_size, "scaled_by": m}, setup=micro.setup)
 
 
 def balanced_cut(profile: Profile, stages: int = 2) -> list[int]:
@@ -112,10 +124,11 @@ def time_update(model: nn.Sequential, boundaries: list[int], repeats: int) -> li
     return out
 
 
-def from_layer_profile(cfg: Config, schedule: str, m: int, profiles: dict[int, Profile], boundaries: list[int],
-                       link: Link, update_s: list[float]) -> Prediction:
-    """(A): ``profiles[m]`` (:func:`as_microbatched` for m > 1) and the mean optimizer step of the stages."""
-    return predict(cfg, schedule, m, profiles[m], boundaries, link, statistics.mean(update_s))
+def from_layer_profile(cfg: Config, schedule: str, m: int, profiles: dict[int, Profile],
+                       boundaries: list[int]) -> Prediction:
+    """(A): ``profiles[m]`` (:func:`as_microbatched` for m > 1) with its set-up: the links are the measured
+    transport's, the optimizer steps the profile's."""
+    return predict(cfg, schedule, m, profiles[m], boundaries, Link(), None)
 
 
 # -- (B) and (C): stages measured in the runtime ---------------------------------------------------------

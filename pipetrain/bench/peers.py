@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import statistics
 import threading
@@ -260,7 +261,7 @@ def torch_pipeline(cfg: PeerConfig, stages: Sequence[int], microbatches: int = 4
         raise ValueError(f"batch_size={cfg.batch_size} must be divisible by microbatches={microbatches}")
     if schedule == "1f1b" and microbatches < world:
         raise ValueError(f"1f1b needs microbatches >= stages ({world}); got {microbatches}")
-    pieces = [_Splat(s) for s in layers.stages(bounds)]
+    pieces = [_Splat(s, layers.takes_tuple(b)) for s, b in zip(layers.stages(bounds), bounds)]
     batches = _batches(cfg, cfg.batch_size, seed=cfg.seed + 1)
     # Every rank holds the whole (small) model at first, so each can find its stage's shapes locally.
     mb = cfg.batch_size // microbatches
@@ -311,7 +312,8 @@ def torch_pipeline(cfg: PeerConfig, stages: Sequence[int], microbatches: int = 4
 def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: bool = False) -> dict[str, Any]:
     """One rank of a ``pipetrain.train`` job, timed from the job's own history.
 
-    The job trains one epoch of ``max(1, warmup) + windows * steps_per_window + 1`` minibatches, in
+    The job trains one epoch of ``max(1, warmup) + windows * steps_per_window + 1`` minibatches (whole
+    rounds of a replicated plan's), in
     order, on the same synthetic data and SGD as the peers. [Note: timing pipetrain from its history]
     ``train`` returns only after gathering the trained model to every rank (the whole model crosses the
     network once more), so a timer around the call would count that. Instead the windows are cut from
@@ -353,6 +355,11 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
         from pipetrain.strategies.chunks import search_length
         warmup = max(warmup, search_length(len(layer_parameters(cfg.build()))) + 1)
     steps = warmup + cfg.windows * cfg.steps_per_window + 1
+    plan = options.get("stages")
+    replicas = getattr(plan, "replicas", None) if plan != "auto" else range(1, int(os.environ["WORLD_SIZE"]) + 1)
+    if replicas is not None:  # replicated stages train whole rounds of minibatches
+        every = math.lcm(*replicas)
+        steps = -(-steps // every) * every
     data = cfg.spec.dataset(steps * cfg.batch_size, seed=cfg.seed + 1)
     iface = cfg.iface or os.environ.get("GLOO_SOCKET_IFNAME")
     sampler = _TxSampler(iface) if iface and iface != "lo" else None
@@ -479,14 +486,15 @@ class _TxSampler:
 
 
 class _Splat(nn.Module):
-    """A stage called as ``stage(*tensors)`` (PipelineStage's convention) around one taking a tuple."""
+    """A stage called as ``stage(*tensors)`` (PipelineStage's convention) around one taking one value or,
+    if ``takes_tuple`` (:meth:`pipetrain.layers.LayeredModel.takes_tuple`), a tuple, even of one tensor."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, takes_tuple: bool) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.takes_tuple = inner, takes_tuple
 
     def forward(self, *xs: torch.Tensor) -> Any:
-        out = self.inner(xs[0] if len(xs) == 1 else xs)
+        out = self.inner(xs if self.takes_tuple or len(xs) > 1 else xs[0])
         # torch's p2p sends need contiguous tensors; a stage may end in a view (a transpose, say).
         return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
 

@@ -52,7 +52,7 @@ import torch
 
 from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, ps_sync, summarize, \
     torch_pipeline
-from pipetrain.runsetup import median_seconds
+from pipetrain.runsetup import Launcher, median_seconds
 
 PIPE_SGD = {"pipe-sgd": None, "pipe-sgd-trunc16": "trunc16", "pipe-sgd-quant8": "quant8"}
 """pipetrain's Pipe-SGD (K = 2) with each codec inside its ring allreduce."""
@@ -99,6 +99,9 @@ class SuiteConfig:
         threads: torch threads per worker, and for the stage measurements.
         bound_repeats: timed runs per stage for the bound (the median is kept).
         timeout_s: per collective or p2p wait; a job gets three times this in all.
+        auto: also let ``strategy="auto"`` choose from a profile taken here and a run set-up measured on
+            the same hosts, at the link's measured rate (:func:`_choose`): ``pipedream`` then runs the
+            plan it priced, and the report's ``auto`` holds the pick beside what every system measured.
     """
 
     model: str = "vgg-like"
@@ -116,6 +119,7 @@ class SuiteConfig:
     threads: int = 1
     bound_repeats: int = 10
     timeout_s: float = 300.0
+    auto: bool = False
 
     def __post_init__(self) -> None:
         bad = [s for s in self.systems if s not in SYSTEMS + EXTRA_SYSTEMS]
@@ -143,10 +147,6 @@ class SuiteConfig:
 
 QUICK = {"warmup": 2, "windows": 3, "steps_per_window": 2, "bound_repeats": 5}
 """``--quick``: fewer and shorter windows (about 4 minutes for vgg-like on a 2-core machine)."""
-
-Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
-"""``launch(fn, args, world)``: run ``fn(*args)`` as ranks 0..world-1, return their results."""
-
 
 def run_suite(cfg: SuiteConfig, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run every system of ``cfg`` and return the report (plain data, see :func:`format_table`).
@@ -204,9 +204,12 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
         return summary
 
     pd_plan, breakdown = None, None
+    choice = _choose(cfg, peer, launch, link_bps, log) if cfg.auto else None
     if "pipedream" in cfg.systems:
         auto = {"schedule": "pipedream", "stages": cfg.stages} if cfg.stages else \
             {"schedule": "pipedream", "stages": "auto", "bandwidth": cfg.link}
+        if choice is not None and "pipeline" in choice.options:
+            auto = {"schedule": "pipedream", "stages": choice.options["pipeline"]["stages"]}
         s = job("pipedream", 1, pipetrain_job, (peer, "pipedream", auto, True))
         if s:
             pd_plan, breakdown = s["plan"], s.get("breakdown")
@@ -238,6 +241,8 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
     stages = stage_times(peer, pd_split, repeats=cfg.bound_repeats)
     whole = stage_times(peer, [0], repeats=cfg.bound_repeats)[0]
     report = _report(cfg, runs, split, source, pd_plan, breakdown, stages, where, errors)
+    if choice is not None:
+        report["auto"] = _judge(choice, report["samples_per_s"])
     if link_bps:
         log("predicting the data-parallel systems from a profile of one worker's shard (Pipe-SGD eq. 2-7)")
         report["predictions"] = _predictions(cfg, peer, runs, whole["update_s"], link_bps, launch)
@@ -248,6 +253,57 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
     report["one_worker_samples_per_s"] = cfg.batch_size / (whole["forward_backward_s"] + whole["update_s"])
     report["load_average"] = [load_at_start, os.getloadavg()[0]]  # 1-minute, at start and end: was the machine quiet?
     return report
+
+
+AUTO_SYSTEM = {"pipeline": "pipedream"}
+"""The system that measures a ``strategy="auto"`` candidate, where its name differs."""
+AUTO_WITHIN = 0.10
+"""Issue 11: the pick is the measured fastest or within this fraction of it."""
+
+
+def _choose(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: float | None,
+            log: Callable[[str], None]) -> Any:
+    """What ``strategy="auto"`` picks for this run, from the inputs it has when it starts: the model
+    profiled here on the first minibatch (the workers' thread count and SGD), the run set-up measured on
+    the same hosts (:func:`pipetrain.runsetup.measure_setup`, one training step of a worker's shard as
+    the shared work) and the link at its measured rate (one machine on loopback). Every candidate a run
+    system measures is predicted, codecs included (``allow_compression``)."""
+    import functools
+
+    from pipetrain.planning.choose import CANDIDATES, choose_strategy
+    from pipetrain.runsetup import measure_setup, model_step
+
+    profile = _profile(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))
+    shard = peer.spec.dataset(cfg.batch_size // cfg.workers, seed=peer.seed + 1)[:]
+    profile.setup = measure_setup(cfg.workers, cfg.threads, model_step(peer.build(), tuple(shard), peer.spec.loss_fn),
+                                  launch=launch)
+    log(f"auto: set-up {profile.setup.describe()}")
+    names = [n for n in CANDIDATES if AUTO_SYSTEM.get(n, n) in cfg.systems]
+    choice = choose_strategy(profile, cfg.workers, None if link_bps is None else link_bps / 8,
+                             batch_size=cfg.batch_size, one_machine=link_bps is None, allow_compression=True,
+                             strategies=names)
+    log(f"auto:\n{choice.table()}\n{choice.reason}")
+    return choice
+
+
+def _judge(choice: Any, rate: dict[str, float]) -> dict[str, Any]:
+    """The choice beside the runs: the measured fastest system, and whether the pick is within
+    :data:`AUTO_WITHIN` of it; the same among the systems that keep the arithmetic exact (what auto picks
+    without ``allow_compression``)."""
+    from pipetrain.planning.choose import COMPRESSED
+
+    measured = {n: rate[AUTO_SYSTEM.get(n, n)] for n in choice.options if AUTO_SYSTEM.get(n, n) in rate}
+    if "pipedream" in rate and "pipeline" not in measured:  # run, but priced as data parallelism
+        measured["pipeline"] = rate["pipedream"]
+    out: dict[str, Any] = {**choice.to_dict(), "measured": measured}
+    for key, names in (("any", list(choice.predictions)), ("exact", [n for n in choice.predictions
+                                                                      if n not in COMPRESSED])):
+        pick = max(names, key=lambda n: choice.predictions[n])
+        pool = [n for n in measured if key == "any" or n not in COMPRESSED]
+        best = max(pool, key=lambda n: measured[n])
+        ratio = measured.get(pick, 0.0) / measured[best]
+        out[key] = {"pick": pick, "best": best, "pick_vs_best": ratio, "met": ratio >= 1 - AUTO_WITHIN}
+    return out
 
 
 def _counts(system: str, cfg: SuiteConfig, n_stages: int) -> list[int]:
@@ -286,16 +342,17 @@ def _straight_plan(cfg: SuiteConfig, peer: PeerConfig) -> Any:
     return plan(_profile(cfg, peer, cfg.batch_size), cfg.workers, cfg.link, straight=True)
 
 
-def _profile(cfg: SuiteConfig, peer: PeerConfig, batch: int) -> Any:
+def _profile(cfg: SuiteConfig, peer: PeerConfig, batch: int,
+             optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> Any:
     """The model's per-layer profile on ``batch`` samples of the first minibatch, with the workers'
-    thread count."""
+    thread count (and ``optimizer``'s step per layer, if given)."""
     from pipetrain.profiling import profile_model
 
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
         x, y = peer.spec.dataset(batch, seed=peer.seed + 1)[:]
-        return profile_model(peer.build(), (x, y), peer.spec.loss_fn, repeats=5, warmup=2)
+        return profile_model(peer.build(), (x, y), peer.spec.loss_fn, optimizer=optimizer, repeats=5, warmup=2)
     finally:
         torch.set_num_threads(before)
 
@@ -315,9 +372,10 @@ def stage_times(peer: PeerConfig, boundaries: Sequence[int], repeats: int = 10, 
     try:
         model = peer.build()
         bounds = [int(b) for b in boundaries]
-        pieces = [_Splat(s) for s in LayeredModel(model).stages(bounds)]
+        layers = LayeredModel(model)
+        pieces = [_Splat(s, layers.takes_tuple(b)) for s, b in zip(layers.stages(bounds), bounds)]
         x, y = peer.spec.dataset(peer.batch_size, seed=peer.seed + 1)[:]
-        ends = [*bounds[1:], len(LayeredModel(model))]
+        ends = [*bounds[1:], len(layers)]
         out, value = [], _as_tuple(x)
         for s, piece in enumerate(pieces):
             last = s == len(pieces) - 1
@@ -517,6 +575,17 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{pr['measured_samples_per_s']:.1f} ({pr['error']:+.1%}); model: compute "
                      f"{pr['compute_s'] * 1e3:.0f} ms + update {pr['update_s'] * 1e3:.0f} ms{cpu}, allreduce "
                      f"{pr['comm_s'] * 1e3:.0f} ms{ring}; {pr['bound']} bound, SE {pr['scaling_efficiency']:.2f}")
+    if "auto" in report:
+        auto = report["auto"]
+        lines.append("strategy auto (predicted from a profile and set-up taken before the runs; measured):")
+        for name, rate in sorted(auto["predictions"].items(), key=lambda kv: -kv[1]):
+            got = auto["measured"].get(name)
+            lines.append(f"  {name:<18}{rate:>10.1f}{'-' if got is None else f'{got:.1f}':>10}"
+                         f"{f' ({rate / got - 1:+.0%})' if got else ''}")
+        for key, what in (("any", "codecs allowed"), ("exact", "exact arithmetic")):
+            j = auto[key]
+            lines.append(f"  {what}: picks {j['pick']}, measured fastest {j['best']}: {j['pick_vs_best']:.2f} of it "
+                         f"({'met' if j['met'] else 'MISSED'}: within {AUTO_WITHIN:.0%})")
     for k, t in report["targets"].items():
         lines.append(f"target {k}: {t['value']:.3f} ({'<=' if t['at_most'] else '>='} {t['target']}) "
                      f"{'met' if t['met'] else 'MISSED'}")
@@ -588,6 +657,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps-per-window", type=int, default=None, help="(default 3, quick 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
+    p.add_argument("--auto", action="store_true", help="also let strategy auto choose (from a profile and set-up "
+                                                       "measured first) and judge its pick against the runs")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--png", default=None, help="write a bar chart of samples/s and bytes/sample here")
 
@@ -601,7 +672,8 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
         batch_size=args.batch_size, stages=[int(b) for b in args.stages.split(",")] if args.stages else None,
         microbatches=tuple(int(m) for m in args.microbatches.split(",")),
         systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), threads=args.threads,
-        bound_repeats=preset.get("bound_repeats", SuiteConfig.bound_repeats), timeout_s=args.timeout, **chosen)
+        bound_repeats=preset.get("bound_repeats", SuiteConfig.bound_repeats), timeout_s=args.timeout,
+        auto=args.auto, **chosen)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

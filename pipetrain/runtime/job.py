@@ -428,6 +428,7 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
             raise NonFiniteLoss(f"{e}; training stopped, {where}; lower the learning rate") from None
         if cfg.data_parallel:
             _mean_losses(worker.history[-len(batches):], cfg.world, device)
+            agree_buffers(stage, cfg.world)
         if cfg.checkpoint_dir:
             checkpoint.save(cfg.checkpoint_dir, rank, epoch, {
                 "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
@@ -461,6 +462,24 @@ def _mean_losses(records: list[StepRecord], world: int, device: torch.device) ->
     dist.all_reduce(losses)
     for r, value in zip(records, (losses / world).tolist()):
         r.loss = value
+
+
+def agree_buffers(module: nn.Module, world: int) -> None:
+    """Make every floating-point buffer (BatchNorm's running statistics) the mean over the data-parallel
+    workers, added in rank order, so it is bitwise the same on each.
+
+    Each worker updates those buffers from its own shard, so they drift apart; every epoch's end (before
+    its checkpoint) they are averaged: the mean of the shards' statistics estimates the whole
+    minibatches'. (PyTorch DDP instead copies rank 0's at every forward.) Integer buffers (batch
+    counts) are the same on every worker already."""
+    for buf in module.buffers():
+        if buf.is_floating_point() and world > 1:
+            parts = [torch.empty_like(buf) for _ in range(world)]
+            dist.all_gather(parts, buf.detach().contiguous())
+            total = parts[0]
+            for part in parts[1:]:
+                total.add_(part)
+            buf.copy_(total.div_(world))
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:

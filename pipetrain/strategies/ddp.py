@@ -3,6 +3,11 @@
 DDP allreduces gradient buckets from autograd hooks during the backward and has averaged them by the
 time ``backward()`` returns, so ``A`` and ``S`` have nothing left to do. It uses the default process
 group (gloo on CPU, NCCL on GPU).
+
+Buffers (BatchNorm's running statistics) are not broadcast from rank 0 at every forward, as DDP does
+by default: each worker keeps its own shard's, and every data-parallel strategy averages them over the
+workers at each epoch's end (:func:`pipetrain.runtime.job.agree_buffers`), so switching strategies
+does not change what a model's statistics mean.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ class DDPSync(GradSync):
 
     def wrap(self, module: nn.Module) -> nn.Module:
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids)
+        return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
 
     def start(self, mb: int, weights: Weights) -> None:
         """Estimate what DDP sent for this minibatch: a ring's 2(M-1)/M of the gradient bytes."""
