@@ -81,8 +81,8 @@ def format_bandwidth(bytes_per_s: float) -> str:
     bits = bytes_per_s * 8
     for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if bits >= scale:
-            return f"{bits / scale:g} {prefix}bit/s"
-    return f"{bits:g} bit/s"
+            return f"{bits / scale:.3g} {prefix}bit/s"
+    return f"{bits:.3g} bit/s"
 
 
 def format_bytes(n: float) -> str:
