@@ -99,8 +99,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     emulated cluster's puts each on its own host). Compute, ``compute_rounds`` times: rank 0 runs
     ``kernel`` (default: a float32 matmul; pass one training step of the model for a faithful
     figure) alone for ``seconds``, then every rank runs it at once; ``slowdown`` is the median over
-    the rounds of the ranks' mean time per call over rank 0's alone. Messages: ranks 0 and 1 play ping-pong through the runtime's
-    :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
+    the rounds of the ranks' mean time per call over rank 0's alone. Messages: ranks 0 and 1 play
+    ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
     half a round trip: first with nothing else running in the two processes, for the CPU time per
     message end; then while a thread of each runs ``kernel``, as the compute thread of a running
     pipeline does, for the time per message.
@@ -108,11 +108,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     from pipetrain.runtime.launch import spawn
 
     kernel = kernel or functools.partial(_matmul, 256)
-    args = (workers, threads, kernel, seconds, rounds, timeout, compute_rounds)
-    if launch is None:
-        results = spawn(_probe, max(2, workers), args, describe="set-up probe {}".format)
-    else:
-        results = launch(_probe, args, max(2, workers))
+    run = launch or (lambda fn, args, world: spawn(fn, world, args, describe="set-up probe {}".format))
+    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds), max(2, workers))
     return Setup(**results[0])
 
 

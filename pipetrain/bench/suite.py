@@ -39,6 +39,7 @@ the report also gives each of its workers' seconds per minibatch in compute and 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -52,7 +53,8 @@ import torch
 
 from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, ps_sync, summarize, \
     torch_pipeline
-from pipetrain.runsetup import Launcher, median_seconds
+from pipetrain.planning.choose import CANDIDATES, COMPRESSED, Choice, choose_strategy
+from pipetrain.runsetup import Launcher, measure_setup, median_seconds, model_step
 
 PIPE_SGD = {"pipe-sgd": None, "pipe-sgd-trunc16": "trunc16", "pipe-sgd-quant8": "quant8"}
 """pipetrain's Pipe-SGD (K = 2) with each codec inside its ring allreduce."""
@@ -262,17 +264,12 @@ AUTO_WITHIN = 0.10
 
 
 def _choose(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: float | None,
-            log: Callable[[str], None]) -> Any:
+            log: Callable[[str], None]) -> Choice:
     """What ``strategy="auto"`` picks for this run, from the inputs it has when it starts: the model
     profiled here on the first minibatch (the workers' thread count and SGD), the run set-up measured on
     the same hosts (:func:`pipetrain.runsetup.measure_setup`, one training step of a worker's shard as
     the shared work) and the link at its measured rate (one machine on loopback). Every candidate a run
     system measures is predicted, codecs included (``allow_compression``)."""
-    import functools
-
-    from pipetrain.planning.choose import CANDIDATES, choose_strategy
-    from pipetrain.runsetup import measure_setup, model_step
-
     profile = _profile(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))
     shard = peer.spec.dataset(cfg.batch_size // cfg.workers, seed=peer.seed + 1)[:]
     profile.setup = measure_setup(cfg.workers, cfg.threads, model_step(peer.build(), tuple(shard), peer.spec.loss_fn),
@@ -286,15 +283,12 @@ def _choose(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: floa
     return choice
 
 
-def _judge(choice: Any, rate: dict[str, float]) -> dict[str, Any]:
+def _judge(choice: Choice, rate: dict[str, float]) -> dict[str, Any]:
     """The choice beside the runs: the measured fastest system, and whether the pick is within
     :data:`AUTO_WITHIN` of it; the same among the systems that keep the arithmetic exact (what auto picks
     without ``allow_compression``)."""
-    from pipetrain.planning.choose import COMPRESSED
-
-    measured = {n: rate[AUTO_SYSTEM.get(n, n)] for n in choice.options if AUTO_SYSTEM.get(n, n) in rate}
-    if "pipedream" in rate and "pipeline" not in measured:  # run, but priced as data parallelism
-        measured["pipeline"] = rate["pipedream"]
+    # every candidate whose system ran: the pipeline too when it was priced as data parallelism
+    measured = {n: rate[AUTO_SYSTEM.get(n, n)] for n in CANDIDATES if AUTO_SYSTEM.get(n, n) in rate}
     out: dict[str, Any] = {**choice.to_dict(), "measured": measured}
     for key, names in (("any", list(choice.predictions)), ("exact", [n for n in choice.predictions
                                                                       if n not in COMPRESSED])):

@@ -472,8 +472,10 @@ def agree_buffers(module: nn.Module, world: int) -> None:
     its checkpoint) they are averaged: the mean of the shards' statistics estimates the whole
     minibatches'. (PyTorch DDP instead copies rank 0's at every forward.) Integer buffers (batch
     counts) are the same on every worker already."""
+    if world == 1:
+        return
     for buf in module.buffers():
-        if buf.is_floating_point() and world > 1:
+        if buf.is_floating_point():
             parts = [torch.empty_like(buf) for _ in range(world)]
             dist.all_gather(parts, buf.detach().contiguous())
             total = parts[0]
