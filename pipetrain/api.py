@@ -77,7 +77,7 @@ class TrainResult:
 
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
           optimizer: Callable[..., torch.optim.Optimizer], strategy: str = "pipeline",
-          stages: Sequence[int] | Plan | str | os.PathLike | None = None, workers: int | None = None,
+          stages: Sequence[int | str] | Plan | str | os.PathLike | None = None, workers: int | None = None,
           bandwidth: float | str | None = None, schedule: str | None = None, vertical_sync: bool = False,
           microbatches: int = 1, staleness: int | None = None, compression: str | None = None,
           warmup_epochs: int = 0, chunk: int | str | None = None, batch_size: int = 32, epochs: int = 1, shuffle: bool = True, seed: int = 0,
@@ -101,7 +101,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             the compute of the next K-1, in a ring that may compress) or ``"cgdp"`` (CPU-GPU data
             parallel: chunks of layers summed in shared host memory while the backward goes on); see
             :data:`pipetrain.registry.STRATEGIES`.
-        stages: pipeline: the first layer index of each stage (one worker each); or a ``Plan``, or a plan
+        stages: pipeline: the first layer index of each stage (one worker each), or the submodule each
+            later stage begins at (``["transformer.h.2", "transformer.h.4"]``; the two may mix); or a ``Plan``, or a plan
             JSON path (``pipetrain plan -o``), which may replicate stages; or ``"auto"``: profile the
             model on the first minibatch and plan for ``workers`` at ``bandwidth`` (PipeDream §3.2).
         workers: data parallel: the workers, each holding the whole model and taking batch_size /
@@ -187,10 +188,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
                     attempt=restarted)
     cfg = JobConfig(**settings)  # every check that needs no plan, before any profiling
     if not cfg.data_parallel:
-        layers = LayeredModel(model)
+        layers = LayeredModel(model, cfg.example)
         chosen, predicted = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, optimizer,
                                           batch_size, bandwidth, schedule, _threads(threads, workers or 1), timeout)
-        cfg = JobConfig(**{**settings, "boundaries": chosen.boundaries if chosen else _boundaries(stages),
+        cfg = JobConfig(**{**settings, "boundaries": chosen.boundaries if chosen else _boundaries(stages, layers),
                            "replicas": chosen.replicas if chosen else None})
     cfg.threads = _threads(threads, cfg.world)
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != cfg.world:
@@ -309,12 +310,18 @@ def _already_done(model: nn.Module, cfg: JobConfig, started: float, restarts: li
                        restarts=restarts, epochs_trained=trained)
 
 
-def _boundaries(stages: Any) -> list[int]:
+def _boundaries(stages: Any, layers: LayeredModel | None = None) -> list[int]:
+    """A pipeline's first-layer indices from ``stages`` (indices, or the submodules later stages begin
+    at, resolved on ``layers``); data parallelism (no ``layers``) gets the list back for its checks."""
     if isinstance(stages, (str, os.PathLike, Plan)):
         raise ValueError(f"stages={stages!r} is a plan; a data-parallel strategy takes no stages")
-    if isinstance(stages, (int, float)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in stages):
-        raise ValueError(f"stages={stages!r}: give the first layer index of each stage as integers, e.g. [0, 3, 7]")
-    return list(stages)
+    if isinstance(stages, (int, float)) or not all(isinstance(b, (int, str)) and not isinstance(b, bool)
+                                                   for b in stages):
+        raise ValueError(f"stages={stages!r}: give the first layer index of each stage as integers, e.g. [0, 3, 7], "
+                         "or the submodule each later stage begins at, e.g. ['transformer.h.2', 'transformer.h.4']")
+    if layers is None or all(isinstance(b, int) for b in stages):
+        return list(stages)
+    return layers.boundaries(list(stages))
 
 
 def _write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],

@@ -7,6 +7,14 @@ Two ways in:
   leaving out inputs, the output and attribute reads (``get_attr`` nodes are re-read wherever they are
   used). The cut after layer k carries every value made at or before k and used after k, so a cut
   inside a residual block carries both branches.
+* a module fx cannot trace (control flow on shapes, Hugging Face models): ``torch.export`` captures it
+  on an example minibatch (for that minibatch's shapes), and its graph's nodes
+  (ATen operators) are the layers, as with fx. Parameters and buffers stay the model's own objects, read
+  where they are used. What the model returns (a dict, a ``ModelOutput``) is rebuilt from the graph's
+  flat outputs by the last stage, so ``loss_fn`` gets it as the model returns it.
+
+Every layer of a graph also has a module path (``transformer.h.2.attn``: the submodule whose forward made
+it), so stages can begin at a named submodule (:meth:`LayeredModel.first_layer_of`).
 
 A stage module maps what crosses the cut before its first layer to what crosses the cut after its last
 one: one object in, one object out (a tensor, or a tuple of tensors for an fx cut). The stage's
@@ -14,10 +22,13 @@ one: one object in, one object out (a tensor, or a tuple of tensors for an fx cu
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
 
@@ -45,31 +56,65 @@ class LayeredModel:
     """A model cut into layers.
 
     Args:
-        model: an ``nn.Sequential`` or a module that ``torch.fx.symbolic_trace`` accepts.
+        model: an ``nn.Sequential``, a module that ``torch.fx.symbolic_trace`` accepts, or one that
+            ``torch.export.export(model, (example,))`` captures.
+        example: one minibatch of model input (what a worker calls the model with); only used when fx
+            cannot trace the model.
+
+    Attributes:
+        names: each layer's name (a child's name, or a graph node's).
+        paths: each layer's module path: the child's name, or the submodule a node came from ('' for
+            the model's own forward).
+        captured_by: ``"sequential"``, ``"fx"`` or ``"export"``.
 
     Raises:
-        LayerError: the model cannot be traced (pass an ``nn.Sequential`` instead), or has no layers.
+        LayerError: the model can be neither traced nor exported (the message names both failures), or
+            has no layers.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, example: Any = None) -> None:
         self.model = model
         self._graph: fx.Graph | None = None
+        self._root: nn.Module = model
         if isinstance(model, nn.Sequential):
             self.names = list(model._modules)
+            self.paths = list(self.names)
+            self.captured_by = "sequential"
         else:
-            try:
-                traced = fx.symbolic_trace(model)
-            except Exception as e:  # fx raises many types; all mean the same to the user
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise LayerError(f"cannot trace {type(model).__name__} with torch.fx ({first}); "
-                                 "pass an nn.Sequential whose children are the layers") from None
-            self._graph = traced.graph
-            self._nodes = [n for n in traced.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-            self._inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
-            self._output = next(n for n in traced.graph.nodes if n.op == "output")
+            self._root, self.captured_by = _capture(model, example)
+            graph = self._root.graph
+            assert isinstance(graph, fx.Graph)
+            self._graph = graph
+            self._nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")
+                           and not (n.op == "call_module" and n.target == "_guards_fn")]  # export's input checks
+            self._inputs = [n for n in graph.nodes if n.op == "placeholder"]
+            self._output = next(n for n in graph.nodes if n.op == "output")
             self.names = [n.name for n in self._nodes]
+            self.paths = [_module_path(n) for n in self._nodes]
         if not self.names:
             raise LayerError(f"{type(model).__name__} has no layers to place on stages")
+
+    @property
+    def labels(self) -> list[str]:
+        """Each layer as people read it: ``path:name`` (or the name alone where path and name agree or
+        the path is the model itself)."""
+        return [n if p in ("", n) else f"{p}:{n}" for p, n in zip(self.paths, self.names)]
+
+    def boundaries(self, stages: Sequence[int | str]) -> list[int]:
+        """First-layer indices from split points given as indices or submodule names (:func:`split_points`)."""
+        return split_points(stages, self.labels, type(self.model).__name__)
+
+    def shared_parameters(self, boundaries: list[int]) -> dict[str, list[int]]:
+        """Trainable parameters read by layers of more than one stage (tied weights), with those stages."""
+        if self._graph is None:
+            return {}
+        stage_of = {n: sum(k >= b for b in boundaries) - 1 for k, n in enumerate(self._nodes)}
+        users: dict[str, set[int]] = {}
+        for n in self._graph.nodes:
+            if n.op == "get_attr" and isinstance(_attr(self._root, n.target), nn.Parameter):
+                found = users.setdefault(_attr_name(self._root, n.target), set())
+                found.update(stage_of[u] for u in n.users if u in stage_of)
+        return {name: sorted(s) for name, s in users.items() if len(s) > 1 and _attr(self._root, name).requires_grad}
 
     def __len__(self) -> int:
         return len(self.names)
@@ -114,11 +159,20 @@ class LayeredModel:
 
         for n in self._nodes[first:last + 1]:
             env[n] = graph.node_copy(n, arg)
-        if last == len(self) - 1:
-            graph.output(fx.map_arg(self._output.args[0], arg))
-        else:
+        if last < len(self) - 1:
             graph.output(tuple(env[v] for v in self._live_after(last)))
-        return fx.GraphModule(self.model, graph, class_name="Stage")
+        elif self.captured_by == "export":  # the flat outputs, rebuilt into what the model returns
+            flat = [fx.map_arg(v, arg) for v in self._output.args[0]]
+            graph.output(graph.call_function(pytree.tree_unflatten, (flat, graph.get_attr(_OUT_SPEC))))
+        else:
+            graph.output(fx.map_arg(self._output.args[0], arg))
+        stage = fx.GraphModule(self._root, graph, class_name="Stage")
+        saved = self.model.state_dict(keep_vars=True)
+        for name, _ in stage.named_buffers():  # fx registers every buffer it copies as saved
+            if name not in saved:
+                owner, _, leaf = name.rpartition(".")
+                stage.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+        return stage
 
     def takes_tuple(self, first: int) -> bool:
         """Whether the stage beginning at layer ``first`` takes a tuple (an fx cut, or several model
@@ -134,6 +188,131 @@ class LayeredModel:
 
 def _item(xs: Any, i: int) -> Any:
     return xs[i]
+
+
+_OUT_SPEC = "_pipetrain_out_spec"
+"""The exported module's attribute holding how the model's output is rebuilt from the graph's."""
+
+_EXPORTED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, fx.GraphModule]] = weakref.WeakKeyDictionary()
+"""Each model's export, with the shapes it was made for: a job's checks, plan and profile share one."""
+
+
+def _capture(model: nn.Module, example: Any) -> tuple[fx.GraphModule, str]:
+    """The model's graph: by ``torch.fx``, else by ``torch.export`` on ``example``."""
+    try:
+        return fx.symbolic_trace(model), "fx"
+    except Exception as e:  # fx raises many types; all mean the same to the user
+        fx_error = _first_line(e)
+    name = type(model).__name__
+    if example is None:
+        raise LayerError(f"cannot trace {name} with torch.fx ({fx_error}); pass an nn.Sequential whose children "
+                         "are the layers") from None
+    key = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, example)
+    cached = _EXPORTED.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1], "export"
+    # [Note: static shapes] a dynamic batch dimension would make the batch size a graph value (a SymInt
+    # node) that later layers read, so every cut would carry an int; the graph is made for the
+    # example's shapes instead, which every minibatch of a job has (a pipeline drops the short tail).
+    was_training = model.training
+    try:
+        model.train()  # captured with dropout on; the stages' own train()/eval() switch it (_follow_mode)
+        exported = torch.export.export(model, (example,), strict=False).module()
+    except Exception as e:  # export raises many types too
+        raise LayerError(f"cannot split {name}: torch.fx cannot trace it ({fx_error}) and torch.export cannot "
+                         f"capture it ({_first_line(e)}); pass an nn.Sequential whose children are the layers, "
+                         "or train it with a data-parallel strategy (ddp, pipe-sgd), which take any module") from None
+    finally:
+        model.train(was_training)
+    assert isinstance(exported, fx.GraphModule)
+    _follow_mode(exported.graph)
+    setattr(exported, _OUT_SPEC, exported._out_spec)
+    _EXPORTED[model] = (key, exported)
+    return exported, "export"
+
+
+def _follow_mode(graph: fx.Graph) -> None:
+    """Make the exported graph's dropout and batch norm read the module's ``training`` flag, as the
+    model's own modules do: export bakes in the mode it captured (train), so evaluation would drop
+    units and update batch statistics. (BatchNorm's ``num_batches_tracked`` still counts evaluation
+    passes; it only matters with ``momentum=None``.)"""
+    aten = torch.ops.aten
+    mode: fx.Node | None = None
+    for n in list(graph.nodes):
+        if n.target not in (aten.dropout.default, aten.batch_norm.default, aten.scaled_dot_product_attention.default):
+            continue
+        if mode is None:
+            with graph.inserting_before(next(iter(graph.nodes))), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fx warns that `training` is no parameter, buffer or submodule
+                mode = graph.get_attr("training")
+        if n.target is aten.dropout.default:
+            n.args = (*n.args[:2], mode)
+        elif n.target is aten.batch_norm.default:
+            n.args = (*n.args[:5], mode, *n.args[6:])
+        elif n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
+            with graph.inserting_before(n):
+                p = graph.call_function(_when_training, (mode, n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)))
+            if "dropout_p" in n.kwargs:
+                n.kwargs = {**n.kwargs, "dropout_p": p}
+            else:
+                n.args = (*n.args[:4], p, *n.args[5:])
+
+
+def _when_training(training: bool, p: float) -> float:
+    return p if training else 0.0
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _module_path(node: fx.Node) -> str:
+    """The submodule whose forward made ``node`` ('' for the model's own forward)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = str(list(stack.values())[-1][0])
+        return "" if path.startswith("_") else path  # export's own helpers (e.g. its metadata hook)
+    return str(node.target) if node.op == "call_module" else ""
+
+
+def _attr(root: nn.Module, target: Any) -> Any:
+    obj: Any = root
+    for part in str(target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _attr_name(root: nn.Module, target: Any) -> str:
+    """``target``'s name among ``root``'s parameters (tied parameters go by their first name)."""
+    param = _attr(root, target)
+    return next((n for n, p in root.named_parameters(remove_duplicate=False) if p is param), str(target))
+
+
+def split_points(stages: Sequence[int | str], labels: Sequence[str], model: str) -> list[int]:
+    """First-layer indices from split points given as indices or names, on layers labelled as
+    :attr:`LayeredModel.labels` (``path:node``). A name is a submodule (``"transformer.h.2"``: its first
+    layer) or a layer's own name; a list that begins with a name begins the first stage at layer 0 (each
+    name begins a later stage).
+
+    Raises:
+        LayerError: a name matches no layer, or the result does not fit (:func:`check_boundaries`).
+    """
+    def first_of(name: str) -> int:
+        for k, label in enumerate(labels):
+            path, _, own = label.rpartition(":")
+            if name in (path, own) or (path or own).startswith(name + "."):
+                return k
+        known = list(dict.fromkeys(label.rpartition(":")[0].rsplit(".", 1)[0] for label in labels))[:6]
+        raise LayerError(f"stages: no layer of {model} comes from a submodule named {name!r}; submodules with "
+                         f"layers include {', '.join(map(repr, filter(None, known)))} (pipetrain profile lists "
+                         "every layer)")
+
+    out = [s if isinstance(s, int) else first_of(s) for s in stages]
+    if stages and isinstance(stages[0], str):
+        out.insert(0, 0)
+    check_boundaries(out, len(labels))
+    return out
 
 
 def check_boundaries(boundaries: list[int], num_layers: int) -> None:

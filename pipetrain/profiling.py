@@ -243,7 +243,8 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     statistics) are restored afterwards and no ``.grad`` is touched.
 
     Args:
-        model: an ``nn.Sequential`` or a ``torch.fx``-traceable module, on the device to profile.
+        model: an ``nn.Sequential``, or a module ``torch.fx`` traces or ``torch.export`` captures (on
+            this minibatch), on the device to profile.
         sample_batch: one minibatch of model input (a tensor, or a tuple for several inputs); with
             ``loss_fn``, an ``(input, target)`` pair as a dataset gives.
         loss_fn: ``loss_fn(output, target)``, timed as part of the last layer.
@@ -270,7 +271,7 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
         raise ValueError("sample_batch holds no tensors; pass one minibatch of model input")
     if inputs[0].dim() and inputs[0].shape[0] == 0:
         raise ValueError("sample_batch holds 0 samples; pass a minibatch of at least one")
-    layers = LayeredModel(model)
+    layers = LayeredModel(model, value)
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     measured = []
     try:
@@ -281,7 +282,7 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
             fwd, bwd, value = _time_layer(stage, value, k > 0, head, repeats, warmup)
             param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
             step = _time_optimizer(stage, optimizer, repeats, warmup) if optimizer is not None else 0.0
-            measured.append(LayerProfile(layers.names[k], fwd, bwd, _nbytes(value), param_bytes, step))
+            measured.append(LayerProfile(layers.labels[k], fwd, bwd, _nbytes(value), param_bytes, step))
     finally:
         with torch.no_grad():
             for buffer, copy in saved:

@@ -73,14 +73,13 @@ def load_loss(name: str) -> Callable[..., torch.Tensor]:
     return fn
 
 
-def parse_stages(text: str) -> list[int]:
-    """``--stages 0,2,4`` -> [0, 2, 4], or a one-line error."""
-    try:
-        stages = [int(x) for x in text.split(",")]
-    except ValueError:
-        stages = []
-    if not stages:
-        raise ValueError(f"--stages {text!r}: give the first layer index of each stage, e.g. --stages 0,2,4")
+def parse_stages(text: str) -> list[int | str]:
+    """``--stages 0,2,4`` -> [0, 2, 4]; ``--stages transformer.h.2,transformer.h.4`` -> the names (the
+    submodules later stages begin at); or a one-line error."""
+    stages: list[int | str] = [int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in text.split(",")]
+    if not text.strip() or any(s == "" for s in stages):
+        raise ValueError(f"--stages {text!r}: give the first layer index of each stage, e.g. --stages 0,2,4, or the "
+                         "submodule each later stage begins at, e.g. --stages transformer.h.2,transformer.h.4")
     return stages
 
 

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import default_collate
 
 from pipetrain.cli.common import add_optimizer_options, call_factory, load_loss, optimizer_of, parse_stages
+from pipetrain.layers import split_points
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.units import format_bandwidth
@@ -212,7 +213,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     profile = Profile.load(args.profile)
     bandwidth = parse_bandwidth(args.bandwidth)
     if args.stages:
-        boundaries = parse_stages(args.stages)
+        boundaries = split_points(parse_stages(args.stages), [x.name for x in profile.layers], profile.model)
         replicas = [1] * len(boundaries)
     else:
         if args.plan:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from pipetrain.layers import LayeredModel, check_boundaries
 from pipetrain.registry import (
@@ -82,7 +82,6 @@ class JobConfig:
     progress: bool = False
     attempt: int = 0
     resume_from: int | None = field(default=None, init=False)
-    _num_layers: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -114,6 +113,14 @@ class JobConfig:
             self._check_data_parallel(spec)
         else:
             self._check_pipeline()
+
+    @property
+    def example(self) -> Any:
+        """The model input of the first minibatch (microbatch, with ``microbatches``) in dataset order:
+        what ``torch.export`` captures a model that fx cannot trace on, for the shapes a stage sees
+        (:class:`pipetrain.layers.LayeredModel`)."""
+        n = min(self.batch_size // self.microbatches, len(self.dataset))  # type: ignore[arg-type]
+        return default_collate([self.dataset[i][0] for i in range(n)])
 
     @property
     def spec(self) -> StrategySpec:
@@ -196,9 +203,11 @@ class JobConfig:
         if len(self.replicas) != len(self.boundaries) or any(r < 1 for r in self.replicas):
             raise ValueError(f"replicas {self.replicas} must give a positive worker count for each of the "
                              f"{len(self.boundaries)} stages")
-        if not self._num_layers:
-            self._num_layers = len(LayeredModel(self.model))
-        check_boundaries(self.boundaries, self._num_layers)
+        layers = LayeredModel(self.model, self.example)
+        check_boundaries(self.boundaries, len(layers))
+        for name, stages in layers.shared_parameters(self.boundaries).items():
+            raise ValueError(f"parameter {name} is used by stages {stages} (tied weights), and each stage would train "
+                             "its own copy; untie it (Hugging Face: tie_word_embeddings=False) or cut elsewhere")
         if self.vertical_sync and self.world != len(self.replicas):
             raise ValueError(f"vertical_sync needs one worker per stage; this plan replicates stages {self.replicas}")
         self._check_items(math.lcm(*self.replicas))
@@ -380,7 +389,7 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
     if cfg.data_parallel:
         stage = cfg.model.to(device)  # every worker holds the whole model
     else:
-        layers = LayeredModel(cfg.model)
+        layers = LayeredModel(cfg.model, cfg.example)
         stage = layers.stage(*cfg.layer_range(stage_idx, len(layers))).to(device)
     params = [p for p in stage.parameters() if p.requires_grad]
     optimizer = cfg.optimizer(params) if params else None

@@ -36,7 +36,8 @@ class PipetrainError(RuntimeError):
 
     Attributes:
         kind: ``"error"`` (a worker raised: its own error, such as a bad loss), ``"died"`` (a worker
-            ended without one: killed, crashed) or ``"silent"`` (a worker stopped showing signs of life).
+            ended without one: killed, crashed), ``"silent"`` (a worker stopped showing signs of life) or
+            ``"unstarted"`` (a worker process never began its task; ``spawn`` starts the job again).
         rank: the worker the message is about, or None.
         log: the file holding every failed worker's traceback, or None.
         history: what the run had recorded (``TrainResult.history`` records) when it failed.
@@ -174,13 +175,17 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[i
         try:
             return _spawn_once(ctx, payload, world, _free_port(), describe, poll_s, silent_after, log_dir)
         except PipetrainError as e:
-            if _PORT_TAKEN not in str(e) or attempt == PORT_TRIES - 1:
+            if (_PORT_TAKEN not in str(e) and e.kind != "unstarted") or attempt == PORT_TRIES - 1:
                 raise
     raise AssertionError("unreachable")
 
 
 PORT_TRIES = 3
-"""Rendezvous ports tried when another program takes the free port before rank 0 binds it."""
+"""Launches tried when another program takes the free port before rank 0 binds it, or a worker
+process never starts (it ran none of the job, so starting again loses nothing)."""
+
+START_S = 120.0
+"""A worker process that has not begun its task this long after it was started is declared unstarted."""
 _PORT_TAKEN = "on 127.0.0.1 is in use"
 
 
@@ -191,6 +196,7 @@ def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Calla
         procs = [ctx.Process(target=_child, args=(r, world, port, workdir, payload, os.getpid(), mp_dir),
                              daemon=False) for r in range(world)]
         started = []
+        since = time.monotonic()
         try:
             for r, p in enumerate(procs):
                 try:
@@ -202,6 +208,11 @@ def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Calla
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
                     raise _failure(workdir, failed, procs, describe, log_dir)
+                waiting = [r for r, p in enumerate(procs) if p.exitcode is None
+                           and not (Path(workdir) / f"alive{r}").exists()]
+                if waiting and time.monotonic() - since > START_S:
+                    raise PipetrainError(f"{describe(waiting[0])} did not start within {START_S:.0f}s (its process "
+                                         "never began the task)", "unstarted", waiting[0])
                 silent = _silent(workdir, procs, silent_after)
                 if silent is not None:
                     rank, age = silent

@@ -1,0 +1,117 @@
+"""Models from Hugging Face transformers, cut by torch.export and by submodule name, checked against
+plain SGD on the same model (skipped where transformers is not installed)."""
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from examples.gpt2_pipeline import data, lm_loss, model as gpt2
+from pipetrain.layers import LayeredModel, LayerError
+
+transformers = pytest.importorskip("transformers")
+LR, BATCH = 0.05, 8
+
+
+def bert(seed: int = 0) -> nn.Module:
+    """A tiny BERT classifier (random init, no dropout), classifying the GPT-2 data's first token mod 3."""
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, num_labels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForSequenceClassification(config)
+
+
+def bert_data(n: int = 64) -> torch.utils.data.TensorDataset:
+    x, _ = data(n).tensors
+    return torch.utils.data.TensorDataset(x, x[:, 0] % 3)
+
+
+def bert_loss(output, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output.logits, target)
+
+
+CASES = {  # name: (model, dataset, loss, stages by name)
+    "gpt2": (lambda: gpt2(layers=4, width=32, dropout=0.0), lambda: data(64), lm_loss,
+             ["transformer.h.1", "transformer.h.3"]),
+    "bert": (bert, bert_data, bert_loss, ["bert.encoder.layer.1", "bert.encoder.layer.2"]),
+}
+
+
+def plain_sgd(net: nn.Module, dataset, loss_fn, steps: int) -> nn.Module:
+    """Minibatch SGD on the whole model, minibatch t = items [t*B, (t+1)*B), written here from the definition."""
+    net = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for t in range(steps):
+        x, y = dataset[t * BATCH:(t + 1) * BATCH]
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+    return net
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_model_parallel_on_exported_layers_is_plain_sgd(name: str) -> None:
+    make, make_data, loss_fn, stages = CASES[name]
+    net, dataset = make().double(), make_data()
+    with pytest.raises(LayerError, match="cannot trace"):  # what made export necessary
+        LayeredModel(net)
+    result = pipetrain.train(net, dataset, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                             stages=stages, schedule="model-parallel", batch_size=BATCH, shuffle=False, timeout=120)
+    reference = plain_sgd(net, dataset, loss_fn, len(dataset) // BATCH)
+    got, want = result.model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=0, atol=1e-9), key
+    assert any(not torch.equal(p, q) for p, q in zip(net.state_dict().values(), want.values()))  # it did train
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_pipedream_trains_a_library_model(name: str) -> None:
+    make, make_data, loss_fn, stages = CASES[name]
+    result = pipetrain.train(make(), make_data(), loss_fn=loss_fn, stages=stages, batch_size=BATCH, epochs=3,
+                             optimizer=functools.partial(torch.optim.Adam, lr=3e-3), timeout=120)
+    losses = [h["loss"] for h in result.history]
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4
+
+
+def test_split_points_by_name_and_index_agree() -> None:
+    net, (x, _) = gpt2(layers=4, width=32), data(8)[:]
+    layers = LayeredModel(net, x)
+    assert layers.captured_by == "export"
+    at = layers.boundaries(["transformer.h.2"])[1]
+    assert layers.paths[at].startswith("transformer.h.2") and not any(
+        p.startswith("transformer.h.2") for p in layers.paths[:at])
+    assert layers.boundaries([0, "transformer.h.2", at + 5]) == [0, at, at + 5]
+    with pytest.raises(LayerError, match="no layer of GPT2LMHeadModel comes from a submodule named 'transformer.h.9'"):
+        layers.boundaries(["transformer.h.9"])
+
+
+def test_tied_weights_across_stages_are_refused() -> None:
+    net = gpt2(layers=2, width=32)
+    net.config.tie_word_embeddings = True
+    net.tie_weights()
+    assert net.lm_head.weight is net.transformer.wte.weight
+    with pytest.raises(ValueError, match=r"parameter transformer.wte.weight is used by stages \[0, 1\] \(tied weights\)"):
+        pipetrain.train(net, data(32), loss_fn=lm_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                        stages=["transformer.h.1"], batch_size=BATCH)
+
+
+class Opaque(nn.Module):
+    """Neither fx (control flow on a value) nor export (data-dependent branch on a tensor's value) takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h) if h.sum().item() > 0 else h
+
+
+def test_a_model_neither_captures_names_both_failures() -> None:
+    with pytest.raises(LayerError, match=r"cannot split Opaque: torch.fx cannot trace it \(.+\) and torch.export "
+                                         r"cannot capture it \(.+\); pass an nn.Sequential"):
+        LayeredModel(Opaque(), torch.randn(2, 4))
