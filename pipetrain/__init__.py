@@ -1,6 +1,7 @@
 """pipetrain: pipeline-parallel (PipeDream), CPU-GPU data-parallel and Pipe-SGD training."""
 from pipetrain.api import TrainResult, train
 from pipetrain.layers import LayerError, LayeredModel
+from pipetrain.metrics import accuracy
 from pipetrain.planning import Plan, plan
 from pipetrain.profiling import Profile
 from pipetrain.profiling import profile_model as profile
@@ -16,4 +17,4 @@ __all__ = ["train", "TrainResult", "profile", "Profile", "plan", "Plan", "simula
            "load_checkpoint",
            "LayeredModel", "LayerError", "PipetrainError", "PipetrainWarning", "CheckpointError", "Schedule", "Action",
            "build_schedule",
-           "build_data_parallel"]
+           "build_data_parallel", "accuracy"]

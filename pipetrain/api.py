@@ -21,7 +21,7 @@ from pipetrain.planning.units import parse_bandwidth
 from pipetrain.profiling import Profile, profile_model
 from pipetrain.registry import STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
-from pipetrain.runtime.job import JobConfig, describe, init_distributed, run_rank, warn
+from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
 from pipetrain.runsetup import measure_setup, model_step
 from pipetrain.simulate import Link
@@ -37,7 +37,8 @@ class TrainResult:
         history: one record per optimizer step of the output stage (of worker 0 for data parallelism,
             with the minibatch's loss: the mean over the workers' shards): ``step``, ``epoch``, ``loss``,
             ``samples`` and ``samples_per_s`` (those samples over the time since the previous step),
-            ``time`` (the output stage's perf_counter).
+            ``time`` (the output stage's perf_counter), ``lr`` (the learning rate the update used) and
+            ``eval`` (with ``eval_dataset``, on each epoch's last record: the mean ``loss`` and metrics).
         samples_per_s: samples trained per second over the whole run, measured at the output stage.
         traces: per rank, ``(action, start, end)`` records when ``trace=True`` (perf_counter seconds).
         plan: the plan that placed the stages, when one did (``"auto"``, a Plan or a plan file).
@@ -84,7 +85,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
           keep_checkpoints: int | None = 2, max_restarts: int = 0, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False,
-          progress: bool = False, allow_compression: bool = False) -> TrainResult:
+          progress: bool = False, allow_compression: bool = False,
+          lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip_grad_norm: float | None = None,
+          eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
+          precision: str = "fp32", log_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
     Args:
@@ -141,6 +145,24 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         progress: show a progress bar.
         allow_compression: ``strategy="auto"`` may pick a codec that changes the arithmetic (pipe-sgd's
             trunc16, quant8).
+        lr_scheduler: a factory taking the optimizer, e.g. ``functools.partial(torch.optim.lr_scheduler.
+            CosineAnnealingLR, T_max=100)``; every stage and replica steps its own after every update
+            (so all follow the same schedule), and checkpoints keep its state.
+        clip_grad_norm: before every update, scale gradients down to this norm at most. Data parallelism:
+            the norm of the whole model's synced gradient, as on one machine. Pipeline: each stage clips
+            its own gradient by its own norm (the global norm would need every stage's gradient of the
+            same minibatch at once, which an asynchronous pipeline never has), so the bound holds per
+            stage and the whole gradient may reach sqrt(stages) times it.
+        eval_dataset: (input, target) pairs evaluated at the end of every epoch, forward only through the
+            workers that train (no extra copy of the model), in eval mode, whole minibatches in order;
+            the mean loss and ``metrics`` go into the epoch's last history record (``"eval"``), the
+            progress bar and the metrics log.
+        metrics: ``{name: function(output, target)}`` giving a minibatch's mean (e.g.
+            :func:`pipetrain.accuracy`); needs ``eval_dataset``.
+        precision: ``"fp32"`` (the model's own dtype) or ``"bf16"``: forwards and the loss run under
+            autocast to bfloat16 (CPU and GPU); weights, gradients and updates stay in the model's dtype.
+        log_dir: write ``metrics.jsonl`` there: one JSON line per update (``"kind": "update"``) and per
+            evaluation (``"kind": "eval"``); ``pipetrain plot DIR`` draws it.
 
     Raises:
         ValueError: bad arguments (one line says which and what to do).
@@ -185,7 +207,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
                     warmup_epochs=warmup_epochs, chunk=chunk, batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
                     checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir), resume=resume,
                     keep_checkpoints=keep_checkpoints, timeout=timeout, trace=bool(trace), progress=progress,
-                    attempt=restarted)
+                    attempt=restarted, lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm,
+                    eval_dataset=eval_dataset, metrics=metrics, precision=precision,
+                    log_dir=None if log_dir is None else str(log_dir))
     cfg = JobConfig(**settings)  # every check that needs no plan, before any profiling
     if not cfg.data_parallel:
         layers = LayeredModel(model, cfg.example)
@@ -199,6 +223,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} workers but {job} needs {cfg.world}; "
                          f"launch with --nproc-per-node/--nnodes giving {cfg.world} in all")
     name = describe(cfg.replicas, cfg.data_parallel)  # type: ignore[arg-type]
+    if cfg.log_dir and cfg.resume_from is None and not restarted and int(os.environ.get("RANK", "0")) == 0:
+        metrics_log(cfg.log_dir).unlink(missing_ok=True)  # a new run's log; a resumed one goes on
     restarts: list[dict[str, Any]] = []
     first_epoch = 0 if cfg.resume_from is None else cfg.resume_from + 1
     while True:

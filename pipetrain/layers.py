@@ -22,6 +22,7 @@ one: one object in, one object out (a tensor, or a tuple of tensors for an fx cu
 """
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -143,16 +144,22 @@ class LayeredModel:
 
     def _fx_stage(self, first: int, last: int) -> nn.Module:
         graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
+        # a value is a node, or (a list of tensors crossing a cut element by element) a list of nodes
+        env: dict[fx.Node, Any] = {}
         live_in = self._inputs if first == 0 else self._live_after(first - 1)
         x = graph.placeholder("x")
         if first == 0 and len(live_in) == 1:
             env[live_in[0]] = x
         else:  # a tuple: the previous cut's values, or several model inputs
-            for i, v in enumerate(live_in):
-                env[v] = graph.call_function(_item, (x, i))
+            i = 0
+            for v in live_in:
+                width = _width(v)
+                if width is None:
+                    env[v], i = graph.call_function(_item, (x, i)), i + 1
+                else:
+                    env[v], i = [graph.call_function(_item, (x, i + j)) for j in range(width)], i + width
 
-        def arg(n: fx.Node) -> fx.Node:
+        def arg(n: fx.Node) -> Any:
             if n not in env and n.op == "get_attr":
                 env[n] = graph.node_copy(n, arg)
             return env[n]
@@ -160,7 +167,16 @@ class LayeredModel:
         for n in self._nodes[first:last + 1]:
             env[n] = graph.node_copy(n, arg)
         if last < len(self) - 1:
-            graph.output(tuple(env[v] for v in self._live_after(last)))
+            out: list[Any] = []
+            for v in self._live_after(last):
+                width, value = _width(v), env[v]
+                if width is None:
+                    out.append(value)
+                elif isinstance(value, list):  # came in element by element: goes on so
+                    out += value
+                else:
+                    out += [graph.call_function(operator.getitem, (value, j)) for j in range(width)]
+            graph.output(tuple(out))
         elif self.captured_by == "export":  # the flat outputs, rebuilt into what the model returns
             flat = [fx.map_arg(v, arg) for v in self._output.args[0]]
             graph.output(graph.call_function(pytree.tree_unflatten, (flat, graph.get_attr(_OUT_SPEC))))
@@ -188,6 +204,15 @@ class LayeredModel:
 
 def _item(xs: Any, i: int) -> Any:
     return xs[i]
+
+
+def _width(node: fx.Node) -> int | None:
+    """The length of a list or tuple of tensors ``node`` makes (an exported ``split``), which crosses a
+    cut element by element; None for anything else (a tensor, or a graph without shapes: fx's)."""
+    value = node.meta.get("val")
+    if isinstance(value, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in value):
+        return len(value)
+    return None
 
 
 _OUT_SPEC = "_pipetrain_out_spec"

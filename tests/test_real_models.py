@@ -9,7 +9,7 @@ from torch import nn
 
 import pipetrain
 from examples.gpt2_pipeline import data, lm_loss, model as gpt2
-from pipetrain.layers import LayeredModel, LayerError
+from pipetrain.layers import LayeredModel, LayerError, flatten
 
 transformers = pytest.importorskip("transformers")
 LR, BATCH = 0.05, 8
@@ -115,3 +115,28 @@ def test_a_model_neither_captures_names_both_failures() -> None:
     with pytest.raises(LayerError, match=r"cannot split Opaque: torch.fx cannot trace it \(.+\) and torch.export "
                                          r"cannot capture it \(.+\); pass an nn.Sequential"):
         LayeredModel(Opaque(), torch.randn(2, 4))
+
+
+def test_profile_and_plan_work_on_exported_layers() -> None:
+    """stages='auto' on a model only export captures: every operator profiled, then planned."""
+    net, batch = gpt2(layers=2, width=32), data(8)[:]
+    profile = pipetrain.profile(net, batch, lm_loss, repeats=1, warmup=0)
+    labels = LayeredModel(net, batch[0]).labels
+    assert [layer.name for layer in profile.layers] == labels and len(labels) > 50
+    assert any(name.startswith("transformer.h.1.") for name in labels)
+    chosen = pipetrain.plan(profile, 3, "10Mbit", straight=True)
+    assert chosen.workers == 3 and chosen.num_layers == len(labels)
+
+
+def test_every_cut_of_an_exported_model_carries_tensors_only() -> None:
+    """Exported attention splits its projection into a list (q, k, v): a cut right after carries the
+    list's tensors one by one, and the next stage rebuilds it."""
+    net = gpt2(layers=2, width=32, dropout=0.0).double().eval()
+    x = data(4)[:][0]
+    layers = LayeredModel(net, x)
+    want = net(x).logits
+    for k in range(len(layers) - 1):
+        head, tail = layers.stages([0, k + 1])
+        cut = head(x)
+        flatten(cut)  # tensors only, or it raises
+        assert torch.equal(tail(cut).logits, want), layers.labels[k]

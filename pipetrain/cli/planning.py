@@ -136,6 +136,10 @@ def cmd_profile(args: argparse.Namespace) -> None:
         profile.setup = measure_setup(args.setup, threads, kernel)
         print(f"set-up: {profile.setup.describe()}")
     profile.save(args.output)
+    print("  layer  forward ms  backward ms  output KB  name (submodule:operator)")
+    for k, layer in enumerate(profile.layers):
+        print(f"  {k:>5}  {layer.forward_s * 1e3:>10.3f}  {layer.backward_s * 1e3:>11.3f}  "
+              f"{layer.activation_bytes / 1024:>9.1f}  {layer.name}")
     forward = sum(x.forward_s for x in profile.layers)
     backward = sum(x.backward_s for x in profile.layers)
     print(f"profiled {len(profile)} layers of {profile.model} at batch {profile.batch_size} on {profile.device}: "

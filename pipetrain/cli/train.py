@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-from pipetrain.cli.common import add_optimizer_options, call_factory, load_loss, optimizer_of, parse_stages
+from pipetrain.cli.common import (
+    add_optimizer_options, call_factory, load_loss, load_object, optimizer_of, parse_stages,
+)
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``demo`` subcommands."""
@@ -31,6 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write DIR/trace.json (Chrome trace) and DIR/timeline.png")
     _add_train_options(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plot", help="draw a metrics log (train --log-dir) to PNG: loss and evaluation curves")
+    p.add_argument("log", help="the --log-dir directory, or its metrics.jsonl")
+    p.add_argument("-o", "--output", default=None, help="the PNG to write (default: LOG's directory/metrics.png)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("demo", help="train a small CNN on bundled digits over 4 local workers")
     p.add_argument("--epochs", type=int, default=10)
@@ -93,6 +100,17 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help="when a worker dies or goes silent, restart every worker from the newest checkpoint, up to N "
                         "times (needs --checkpoint-dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
+    p.add_argument("--eval-data", default=None,
+                   help="MODULE:FACTORY returning held-out (input, target) pairs, evaluated after every epoch")
+    p.add_argument("--metrics", default=None,
+                   help="with --eval-data: comma-separated pipetrain.metrics names or MODULE:FUNCTION, e.g. accuracy")
+    p.add_argument("--lr-scheduler", default=None,
+                   help="MODULE:FACTORY taking the optimizer and returning a torch.optim.lr_scheduler, stepped every update")
+    p.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="scale gradients to this norm at most (data parallel: global; pipeline: per stage)")
+    p.add_argument("--precision", default="fp32", help="fp32 or bf16 (autocast the forward and loss to bfloat16)")
+    p.add_argument("--log-dir", default=None, help="write DIR/metrics.jsonl (one line per update and evaluation); "
+                                                   "`pipetrain plot DIR` draws it")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -111,7 +129,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         warmup_epochs=args.warmup_epochs, chunk=args.chunk, batch_size=args.batch_size, epochs=args.epochs,
         shuffle=not args.no_shuffle, seed=args.seed, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
-        allow_compression=args.allow_compression)
+        allow_compression=args.allow_compression,
+        eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
+        metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
+        clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir)
     for r in result.restarts:
         after = f"after epoch {r['resumed_after_epoch']}" if r["resumed_after_epoch"] is not None else "from the start"
         print(f"restarted {after}: {r['error']}")
@@ -128,6 +149,21 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"wrote {args.trace}/trace.json and {args.trace}/timeline.png")
 
 
+def _metrics(text: str | None) -> dict[str, Any] | None:
+    """``--metrics accuracy,mymod:f1`` -> {name: function}: pipetrain.metrics names or MODULE:FUNCTION."""
+    if not text:
+        return None
+    from pipetrain import metrics
+
+    out = {}
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        fn = load_object(name) if ":" in name else getattr(metrics, name, None)
+        if fn is None or name.startswith("_") or name == "logits_of":
+            raise ValueError(f"--metrics: unknown metric {name!r}; use accuracy or MODULE:FUNCTION")
+        out[name.rsplit(":", 1)[-1]] = fn
+    return out
+
+
 def _report_speed(result: Any) -> None:
     """Measured samples/s, beside pipetrain's prediction when it made one (a plan, strategy auto)."""
     if result.plan is not None:
@@ -141,6 +177,15 @@ def _report_speed(result: Any) -> None:
         print(f"samples/s: measured {result.samples_per_s:.0f}")
 
 
+def cmd_plot(args: argparse.Namespace) -> None:
+    from pipetrain.metrics import plot_log
+
+    log = Path(args.log)
+    out = args.output or str((log if log.is_dir() else log.parent) / "metrics.png")
+    _check_output(out, "--output")
+    print(f"wrote {plot_log(log, out)}")
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     import pipetrain
     from pipetrain import data, zoo
@@ -148,17 +193,17 @@ def cmd_demo(args: argparse.Namespace) -> None:
     train_set, test_set = data.digits("train"), data.digits("test")
     model = zoo.digits_cnn()
     print(f"pipetrain demo: a small CNN on scikit-learn digits ({len(train_set)} train / {len(test_set)} "
-          f"held out); profiling, then planning 4 workers for a {args.bandwidth} network; schedule pipedream")
+          f"held out, evaluated after every epoch); profiling, then planning 4 workers for a {args.bandwidth} "
+          "network; schedule pipedream")
     t0 = time.perf_counter()
     result = pipetrain.train(
         model, train_set, loss_fn=torch.nn.functional.cross_entropy,
         optimizer=functools.partial(torch.optim.SGD, lr=0.1), stages="auto", workers=4,
         bandwidth=args.bandwidth, schedule="pipedream", batch_size=32, epochs=args.epochs, seed=0,
-        progress=True)
-    with torch.no_grad():
-        x, y = test_set.tensors
-        accuracy = (result.model(x).argmax(1) == y).float().mean().item()
+        progress=True, eval_dataset=test_set, metrics={"accuracy": pipetrain.accuracy})
+    evaluations = [h["eval"] for h in result.history if h.get("eval")]
     print(f"final training loss {result.history[-1]['loss']:.4f}")
-    print(f"held-out accuracy {accuracy:.1%} (chance 10%)")
+    print(f"held-out accuracy {evaluations[-1]['accuracy']:.1%} (chance 10%) after {len(evaluations)} epochs: "
+          + " ".join(f"{e['accuracy']:.0%}" for e in evaluations))
     _report_speed(result)
     print(f"wall time {time.perf_counter() - t0:.1f}s")

@@ -24,8 +24,10 @@ from pipetrain.runtime import checkpoint
 from pipetrain.runtime.launch import keep_freed_memory, loopback_store
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
-from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, epoch_order, per_epoch
-from pipetrain.schedule import Schedule, warmup
+from pipetrain.runtime.worker import (
+    NonFiniteLoss, StepRecord, Worker, append_json, epoch_order, per_epoch, to_device,
+)
+from pipetrain.schedule import Schedule, evaluation, warmup
 from pipetrain.strategies.base import GradSync, SyncContext
 from pipetrain.strategies.cgdp import HOST_MEMORY, host_bytes
 from pipetrain.strategies.compression import get_codec
@@ -50,7 +52,8 @@ class JobConfig:
         batch_size: samples per optimizer update of the whole job (data parallelism splits it into
             one equal shard per worker).
         epochs, shuffle, seed, checkpoint_dir, resume, keep_checkpoints, timeout, threads, trace,
-        progress: as given to ``pipetrain.train``.
+        progress, lr_scheduler, clip_grad_norm, eval_dataset, metrics, precision, log_dir: as given to
+        ``pipetrain.train``.
         attempt: how many times the job was restarted before this run (0 at first).
         resume_from: the epoch the workers resume after (set by the checks when ``resume``), or None.
     """
@@ -80,6 +83,12 @@ class JobConfig:
     threads: int = 1
     trace: bool = False
     progress: bool = False
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    clip_grad_norm: float | None = None
+    eval_dataset: Dataset | None = None
+    metrics: dict[str, Callable[[Any, Any], Any]] | None = None
+    precision: str = "fp32"
+    log_dir: str | None = None
     attempt: int = 0
     resume_from: int | None = field(default=None, init=False)
 
@@ -106,9 +115,11 @@ class JobConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not callable; pass a function such as "
                                  + ("torch.nn.functional.mse_loss" if name == "loss_fn" else
                                     "functools.partial(torch.optim.SGD, lr=0.1)"))
-        self._check_dataset()
-        if self.checkpoint_dir is not None:
-            _check_writable(Path(self.checkpoint_dir))
+        _check_pairs(self.dataset, "the dataset")
+        self._check_training_loop()
+        for name in ("checkpoint_dir", "log_dir"):
+            if getattr(self, name) is not None:
+                _check_writable(Path(getattr(self, name)), name)
         if spec.data_parallel:
             self._check_data_parallel(spec)
         else:
@@ -213,18 +224,31 @@ class JobConfig:
         self._check_items(math.lcm(*self.replicas))
         self._check_checkpoints()
 
-    def _check_dataset(self) -> None:
-        try:
-            n_items, item = len(self.dataset), self.dataset[0]  # type: ignore[arg-type]
-        except Exception as e:  # a dataset raises what it likes; all mean it cannot be used
-            raise ValueError(f"the dataset cannot be read ({type(e).__name__}: {e}); give a map-style dataset "
-                             "(len() and [i]) of (input, target) pairs") from None
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            what = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
-            raise ValueError(f"dataset items must be (input, target) pairs, but item 0 is {what}; wrap the dataset "
-                             "so each item is (input, target)")
-        if n_items < 1:
-            raise ValueError("the dataset is empty")
+    def _check_training_loop(self) -> None:
+        """The scheduler, clipping, evaluation, precision and log options."""
+        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
+            raise ValueError(f"lr_scheduler={self.lr_scheduler!r} is not callable; pass a factory taking the optimizer, "
+                             "e.g. functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=100)")
+        if self.clip_grad_norm is not None and (isinstance(self.clip_grad_norm, bool) or
+                                                not isinstance(self.clip_grad_norm, (int, float)) or
+                                                not self.clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r}: give the largest gradient norm, a number > 0")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: use one of {', '.join(map(repr, PRECISIONS))}")
+        if self.metrics is not None:
+            if self.eval_dataset is None:
+                raise ValueError("metrics are computed on eval_dataset; give eval_dataset too")
+            if not isinstance(self.metrics, dict) or not all(isinstance(k, str) and callable(f)
+                                                             for k, f in self.metrics.items()):
+                raise ValueError("metrics must be a dict of name -> function(output, target), e.g. "
+                                 "{'accuracy': pipetrain.accuracy}")
+            if "loss" in self.metrics:
+                raise ValueError("metrics: 'loss' is reported already (loss_fn on eval_dataset); name the metric otherwise")
+        if self.eval_dataset is not None:
+            n = _check_pairs(self.eval_dataset, "eval_dataset")
+            if n < self.batch_size:
+                raise ValueError(f"eval_dataset has {n} items, fewer than one minibatch of {self.batch_size}; give more "
+                                 "items or a smaller batch_size")
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must have been saved by to be resumed by this job."""
@@ -389,16 +413,20 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
     if cfg.data_parallel:
         stage = cfg.model.to(device)  # every worker holds the whole model
     else:
-        layers = LayeredModel(cfg.model, cfg.example)
+        # captured on the worker's device: an exported graph fixes the device of tensors it makes (arange)
+        layers = LayeredModel(cfg.model.to(device), to_device(cfg.example, device))
         stage = layers.stage(*cfg.layer_range(stage_idx, len(layers))).to(device)
     params = [p for p in stage.parameters() if p.requires_grad]
     optimizer = cfg.optimizer(params) if params else None
+    scheduler = cfg.lr_scheduler(optimizer) if optimizer is not None and cfg.lr_scheduler is not None else None
     version, history = 0, []
     if cfg.resume_from is not None:
         state = checkpoint.load(cfg.checkpoint_dir, rank, cfg.resume_from)  # type: ignore[arg-type]
         stage.load_state_dict(state["model"])
         if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
         version, history = state["version"], state.get("history", [])
         _set_rng(state["rng"], device)  # dropout and the like go on as if never stopped
     policy = POLICIES[cfg.policy_name(stage_idx)](stage)
@@ -408,7 +436,9 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
                     cfg.loss_fn, cfg.batch_size, device, grad_sync=sync, trace=[] if cfg.trace else None,
                     shard=(rank - first, cfg.replicas[stage_idx]) if cfg.data_parallel else (0, 1),
                     name=describe(cfg.replicas, cfg.data_parallel)(rank), attempt=cfg.attempt,
-                    log=_history_log(rank) if cfg.reporter(rank) else None)
+                    log=_history_log(rank) if cfg.reporter(rank) else None, scheduler=scheduler,
+                    clip_grad_norm=cfg.clip_grad_norm, precision=cfg.precision,
+                    metrics_log=metrics_log(cfg.log_dir) if cfg.log_dir and cfg.reporter(rank) else None)
     worker.history = [StepRecord(**h) for h in history]
     return worker, stage
 
@@ -438,9 +468,14 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
         if cfg.data_parallel:
             _mean_losses(worker.history[-len(batches):], cfg.world, device)
             agree_buffers(stage, cfg.world)
+        if cfg.eval_dataset is not None:
+            scores = _evaluate(cfg, worker, epoch, device, (epoch + 1) * k)
+            if bar:
+                bar.write(f"epoch {epoch}: held-out " + ", ".join(f"{name} {v:.4g}" for name, v in scores.items()))
         if cfg.checkpoint_dir:
             checkpoint.save(cfg.checkpoint_dir, rank, epoch, {
                 "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
+                "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else {},
                 "epoch": epoch, "version": policy.version, "rng": _rng(device),
                 "history": [asdict(h) for h in worker.history] if cfg.reporter(rank) else []},
                 cfg.identity(), keep=cfg.keep_checkpoints)
@@ -462,6 +497,36 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
         dist.all_gather_object(parts, result)
         return {"parts": parts}
     return result
+
+
+def _evaluate(cfg: JobConfig, worker: Worker, epoch: int, device: torch.device, step: int) -> dict[str, float]:
+    """Evaluate on ``cfg.eval_dataset`` at the end of ``epoch`` (every rank takes part): whole minibatches
+    in dataset order, forward only through the stages (each replica its round-robin share; data
+    parallelism: each worker its shard). Returns the means over the samples of the loss and each metric,
+    recorded with the epoch's last update (``step``) and in the metrics log."""
+    assert cfg.eval_dataset is not None and cfg.replicas is not None
+    metrics = cfg.metrics or {}
+    n_items = len(cfg.eval_dataset)  # type: ignore[arg-type]
+    batches = epoch_order(n_items, cfg.batch_size, 0, False, 0, 1)
+    schedule = evaluation(tuple(cfg.replicas), len(batches), cfg.data_parallel)
+    sums = torch.tensor(worker.evaluate(schedule, batches, cfg.eval_dataset, metrics), dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(sums)  # the output stage's sums (every data-parallel worker's shards) reach every rank
+    means = (sums[:-1] / sums[-1]).tolist()
+    scores = dict(zip(["loss", *metrics], means))
+    for record in worker.history[::-1]:  # the replica of the output stage that made the epoch's last update
+        if record.step == step:
+            record.eval = scores
+            if worker.metrics_log is not None:
+                append_json(worker.metrics_log, {"kind": "eval", "epoch": epoch, "step": step, **scores})
+            break
+    return scores
+
+
+def metrics_log(log_dir: str | os.PathLike) -> Path:
+    """The metrics log a job writes in ``log_dir``: JSON lines, ``{"kind": "update", ...}`` per update
+    (a :class:`StepRecord`), ``{"kind": "eval", "epoch", "step", "loss", METRIC...}`` per evaluation."""
+    return Path(log_dir) / "metrics.jsonl"
 
 
 def _mean_losses(records: list[StepRecord], world: int, device: torch.device) -> None:
@@ -534,15 +599,36 @@ def warn(message: str) -> None:
     warnings.warn(message, PipetrainWarning, stacklevel=2)
 
 
-def _check_writable(directory: Path) -> None:
-    """Checkpoints can be written in ``directory`` (made if missing), or a one-line ValueError."""
+PRECISIONS = ("fp32", "bf16")
+"""``precision``: fp32 computes in the model's own dtype; bf16 runs forwards and losses under autocast
+to bfloat16 (what crosses a stage boundary is then bfloat16: half the bytes)."""
+
+
+def _check_pairs(dataset: Dataset, what: str) -> int:
+    """The item count of a map-style dataset of (input, target) pairs, or a one-line ValueError."""
+    try:
+        n_items, item = len(dataset), dataset[0]  # type: ignore[arg-type]
+    except Exception as e:  # a dataset raises what it likes; all mean it cannot be used
+        raise ValueError(f"{what} cannot be read ({type(e).__name__}: {e}); give a map-style dataset "
+                         "(len() and [i]) of (input, target) pairs") from None
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        kind = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+        raise ValueError(f"{what}'s items must be (input, target) pairs, but item 0 is {kind}; wrap it so each item "
+                         "is (input, target)")
+    if n_items < 1:
+        raise ValueError(f"{what} is empty")
+    return n_items
+
+
+def _check_writable(directory: Path, name: str) -> None:
+    """Files can be written in ``directory`` (made if missing), or a one-line ValueError naming option ``name``."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".pipetrain-write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"checkpoint_dir {str(directory)!r} is not usable ({e.strerror or type(e).__name__}); give a "
+        raise ValueError(f"{name} {str(directory)!r} is not usable ({e.strerror or type(e).__name__}); give a "
                          "directory this user can write to") from None
 
 

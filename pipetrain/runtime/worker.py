@@ -75,7 +75,8 @@ class _InFlight:
 @dataclass
 class StepRecord:
     """One optimizer update, as ``TrainResult.history`` lists it; ``attempt`` counts the restarts
-    before the run that made it."""
+    before the run that made it, ``lr`` is the first parameter group's learning rate the update used,
+    and ``eval`` the evaluation after the epoch this update ended (``loss`` and each metric), if any."""
 
     step: int
     epoch: int
@@ -84,6 +85,8 @@ class StepRecord:
     samples_per_s: float
     time: float
     attempt: int = 0
+    lr: float | None = None
+    eval: dict[str, float] | None = None
 
 
 @dataclass
@@ -105,6 +108,11 @@ class Worker:
         name: how errors name this worker (e.g. ``"stage 1 (rank 1)"``).
         attempt: restarts before this run, recorded in the history.
         log: a file each history record is also appended to (JSON lines), or None.
+        scheduler: the learning-rate scheduler stepped after every update, or None.
+        clip_grad_norm: before every update, scale this worker's gradients (its stage's, after any
+            sync) down to this norm at most; None leaves them.
+        precision: ``"bf16"`` runs forwards and the loss under autocast to bfloat16.
+        metrics_log: the user's metrics log (JSON lines, ``log_dir``), or None.
     """
 
     rank: int
@@ -122,6 +130,10 @@ class Worker:
     name: str = "worker"
     attempt: int = 0
     log: Path | None = None
+    scheduler: Any = None
+    clip_grad_norm: float | None = None
+    precision: str = "fp32"
+    metrics_log: Path | None = None
     history: list[StepRecord] = field(default_factory=list)
     _flight: dict[tuple[int, int | None], _InFlight] = field(default_factory=dict)
     _inbox: dict[tuple[int, int | None], Message] = field(default_factory=dict)
@@ -131,6 +143,8 @@ class Worker:
     _syncing: dict[int, Weights] = field(default_factory=dict)  # mb -> the weights its backward used, until S
     _shapes: dict[int, Any] = field(default_factory=dict)  # part -> the shapes of the first minibatch's part
     _first_loss: float | None = None
+    _scores: list[float] | None = None  # while evaluating: loss and metric sums over samples, then the count
+    _metrics: dict[str, Callable[[Any, Any], Any]] = field(default_factory=dict)
 
     def run_epoch(self, schedule: Schedule, epoch: int, batches: list[list[int]], mb_offset: int,
                   on_step: Callable[[StepRecord], None] | None = None) -> None:
@@ -146,6 +160,55 @@ class Worker:
                 self.trace.append((str(action), t0, time.perf_counter()))
             if action.kind == "U" and self._last and on_step is not None:
                 on_step(self.history[-1])
+
+    def evaluate(self, schedule: Schedule, batches: list[list[int]], dataset: Dataset,
+                 metrics: dict[str, Callable[[Any, Any], Any]]) -> list[float]:
+        """Run a forward-only ``schedule`` over ``batches`` of ``dataset`` with the live weights, in
+        eval mode and without gradients; return this worker's sums over its samples of the loss and of
+        each metric, then its sample count (zeros but at the output stage)."""
+        saved = (self._sched, self._batches, self.dataset, self._collated)
+        self._sched, self._batches, self.dataset, self._collated = schedule, batches, dataset, {}
+        self._first, self._last = schedule.stage_of(self.rank) == 0, schedule.stage_of(self.rank) == schedule.num_stages - 1
+        self._scores, self._metrics = [0.0] * (len(metrics) + 2), metrics
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                for action in schedule.actions[self.rank]:
+                    self._do(action)
+            return self._scores
+        finally:
+            self.stage.train(was_training)
+            self._sched, self._batches, self.dataset, self._collated = saved
+            self._scores = None
+
+    def _evaluate_forward(self, a: Action, x: Any) -> None:
+        """An evaluation forward: the output stage adds up the loss and metrics; others send on."""
+        with self._autocast(), self._blame(f"the evaluation forward of minibatch {a.mb}"):
+            out = self.stage(x)
+        if not self._last:
+            tensors, is_tuple = flatten(out)
+            self._out[(a.mb, a.micro)] = Message(a.mb, a.micro, self.policy.version, tensors, is_tuple)
+            return
+        assert self._scores is not None
+        target = to_device(self._batch(a.mb, 1), self.device)
+        with self._autocast():
+            values = [self._loss(out, target, a.mb)]
+        for name, metric in self._metrics.items():
+            with self._blame(f"metric {name!r} on minibatch {a.mb}"):
+                values.append(metric(out, target))
+        n = len(self._batches[a.mb]) // self.shard[1]
+        for i, v in enumerate(values):
+            self._scores[i] += float(v) * n
+        self._scores[-1] += n
+        self._collated.pop((a.mb, 0), None)
+        self._collated.pop((a.mb, 1), None)
+
+    def _autocast(self) -> Any:
+        """Autocast to bfloat16 with ``precision="bf16"``; nothing otherwise."""
+        if self.precision != "bf16":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     # -- one action ------------------------------------------------------------------------------
     def _do(self, a: Action) -> None:
@@ -200,10 +263,13 @@ class Worker:
         else:
             msg = self._inbox.pop(key)
             tag = msg.version
-            inputs = [t.requires_grad_() if t.is_floating_point() else t for t in msg.tensors]
+            inputs = [t.requires_grad_() if t.is_floating_point() and self._scores is None else t for t in msg.tensors]
             x = unflatten(inputs, msg.is_tuple)
+        if self._scores is not None:
+            return self._evaluate_forward(a, x)
         weights = self.policy.forward_weights(a.mb, tag)
-        with torch.set_grad_enabled(not self.policy.recompute), self._blame(f"the forward of minibatch {a.mb}"):
+        with torch.set_grad_enabled(not self.policy.recompute), self._autocast(), \
+                self._blame(f"the forward of minibatch {a.mb}"):
             # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
             out = self.stage(x) if weights is self.policy.params else functional_call(self.stage, weights, (x,))
         flight = _InFlight(inputs, out, raw_input=x)
@@ -212,7 +278,8 @@ class Worker:
             if self.policy.recompute:
                 flight.outputs = None
             else:
-                flight.loss = self._loss(out, target, a.mb) / self._sched.microbatches
+                with self._autocast():
+                    flight.loss = self._loss(out, target, a.mb) / self._sched.microbatches
             flight.raw_input = (x, target)
         else:
             tensors, is_tuple = flatten(out)
@@ -229,10 +296,10 @@ class Worker:
             self._syncing[a.mb] = weights
         if self.policy.recompute:  # naive: forward again with the weights current now
             x = f.raw_input[0] if self._last else f.raw_input
-            with self._blame(f"the forward of minibatch {a.mb}"):
+            with self._autocast(), self._blame(f"the forward of minibatch {a.mb}"):
                 out = functional_call(self.stage, weights, (x,))
-            if self._last:
-                f.loss = self._loss(out, f.raw_input[1], a.mb) / self._sched.microbatches
+                if self._last:
+                    f.loss = self._loss(out, f.raw_input[1], a.mb) / self._sched.microbatches
             f.outputs = out
         if self._last:
             loss = f.loss
@@ -294,21 +361,35 @@ class Worker:
                                 f"{self._first_loss:.3g} at the start (is the loss right for these targets?)")
 
     def _update(self, a: Action) -> None:
+        lr = None
         if self.optimizer is not None:
+            if self.clip_grad_norm is not None:
+                params = [p for group in self.optimizer.param_groups for p in group["params"]]
+                torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            lr = float(self.optimizer.param_groups[0]["lr"])
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                self.scheduler.step()
         r = self._sched.replicas[self._sched.stage_of(self.rank)]
         self.policy.updated(r)
         if self._last:
             # one record per minibatch: a replica of the output stage records its own minibatches
             now = time.perf_counter()
             record = StepRecord(self._offset + a.mb + 1, self._epoch, self._losses.pop(a.mb), self.batch_size,
-                                self.batch_size / max(now - self._last_step_t, 1e-9), now, self.attempt)
+                                self.batch_size / max(now - self._last_step_t, 1e-9), now, self.attempt, lr)
             self.history.append(record)
             if self.log is not None:
-                with open(self.log, "a") as f:
-                    f.write(json.dumps(asdict(record)) + "\n")
+                append_json(self.log, asdict(record))
+            if self.metrics_log is not None:
+                append_json(self.metrics_log, {"kind": "update", **asdict(record)})
             self._last_step_t = now
+
+
+def append_json(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to a JSON-lines file."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _shapes(value: Any) -> Any:

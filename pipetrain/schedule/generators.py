@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, START_SYNC, SYNC, UPDATE, Action,
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, START_SYNC, SYNC, UPDATE, Action, Schedule,
 )
 
 Lists = list[list[Action]]
@@ -169,3 +169,14 @@ def stale_sync(lists: Lists, staleness: int) -> Lists:
         tail = [Action(kind, k) for k in mbs[max(0, len(mbs) - staleness + 1):] for kind in (SYNC, UPDATE)]
         out.append(_after_backwards(acts, extra) + tail)
     return out
+
+
+def evaluation(replicas: Sequence[int], minibatches: int, sharded: bool = False) -> Schedule:
+    """Forward only (evaluation at an epoch's end): each minibatch through every stage, replica
+    ``mb mod r`` of each; ``sharded`` (data parallelism): every worker runs every minibatch on its shard."""
+    if sharded:
+        compute = [[Action(FORWARD, mb) for mb in range(minibatches)] for _ in range(replicas[0])]
+    else:
+        compute = [[Action(FORWARD, mb) for mb in range(i, minibatches, r)] for r in replicas for i in range(r)]
+    return Schedule("evaluation", tuple(replicas), tuple(tuple(acts) for acts in p2p_pass(replicas, compute)),
+                    sharded=sharded)
