@@ -328,10 +328,14 @@ def split_points(stages: Sequence[int | str], labels: Sequence[str], model: str)
             path, _, own = label.rpartition(":")
             if name in (path, own) or (path or own).startswith(name + "."):
                 return k
-        known = list(dict.fromkeys(label.rpartition(":")[0].rsplit(".", 1)[0] for label in labels))[:6]
+        depth = name.count(".") + 1  # suggest the submodules as deep as the name asked for
+        paths = [label.rpartition(":")[0].split(".") for label in labels if label.rpartition(":")[0]]
+        known = list(dict.fromkeys(".".join(p[:depth]) for p in paths if len(p) >= depth)) or \
+            list(dict.fromkeys(p[0] for p in paths))
+        shown = ", ".join(map(repr, known[:8])) + (", ..." if len(known) > 8 else "")
         raise LayerError(f"stages: no layer of {model} comes from a submodule named {name!r}; submodules with "
-                         f"layers include {', '.join(map(repr, filter(None, known)))} (pipetrain profile lists "
-                         "every layer)")
+                         f"layers{' at that depth' if len(known) and len(known[0].split('.')) == depth else ''} "
+                         f"are {shown or 'none'} (pipetrain profile lists every layer)")
 
     out = [s if isinstance(s, int) else first_of(s) for s in stages]
     if stages and isinstance(stages[0], str):
