@@ -37,7 +37,7 @@ class Setup:
         cores: the machine's cores (``os.cpu_count()``).
         slowdown: mean compute time per step with all ``workers`` computing at once, over the same
             alone (1: no contention; 2: four single-thread workers on two cores).
-        latency_s, s_per_byte: one message's one-way time between two workers while the others compute,
+        latency_s, s_per_byte: one message's one-way time between two workers while every worker computes,
             as a line through two sizes (:data:`MESSAGE_SIZES`).
         message_cpu_s, message_cpu_s_per_byte: CPU seconds a message costs one end (all the threads of
             the process: transport, gloo), as a line through the same sizes.
@@ -102,8 +102,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     the rounds of the ranks' mean time per call over rank 0's alone. Messages: ranks 0 and 1 play
     ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
     half a round trip: first with nothing else running in the two processes, for the CPU time per
-    message end; then while a thread of each runs ``kernel``, as the compute thread of a running
-    pipeline does, for the time per message.
+    message end; then while a thread of every rank runs ``kernel``, as the compute threads of a running
+    job do, for the time per message (its transport threads then wait for a core).
     """
     from pipetrain.runtime.launch import spawn
 
@@ -169,6 +169,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
     wall = [_ping_pong(transport, rank, n, rounds, device)[0] for n in MESSAGE_SIZES]
+    dist.barrier()  # the other ranks compute until the ping-pong ends: every worker of the job is busy
     stop.set()
     load.join()
     dist.barrier()
