@@ -28,7 +28,8 @@ B, U, and on ``pipedream`` the copy of a new weight version at a stage that stas
 ``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a transfer takes the measured
 message latency more, and the slower of the link's and the measured seconds per byte; a send and
 a receive take the CPU a message end costs from a worker with under 2 cores; a replicated stage's
-sync is a ring allreduce with the measured latency per step.
+sync is a ring allreduce with the measured latency per step, once per bucket of its gradient
+(:func:`pipetrain.strategies.allreduce.buckets`: the runtime's replicas allreduce in buckets).
 
 Each link has a single sender, which issues transfers in program order, and every other time is a
 max over already known times, so event times do not depend on the order in which workers are
@@ -50,6 +51,7 @@ from pipetrain.profiling import Profile
 from pipetrain.runsetup import Setup
 from pipetrain.registry import SCHEDULES, STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
+from pipetrain.strategies.allreduce import buckets
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
 )
@@ -217,7 +219,8 @@ class _Sim:
         self.latency_s, self.byte_s = _link_terms(link, setup)
         self.sync_s = list(sync_s) if sync_s is not None else [
             0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r)) if setup is None else
-            costs.ring_allreduce_time(r, c.parameter_bytes, self.latency_s, self.byte_s, 0.0)
+            costs.ring_allreduce_time(r, c.parameter_bytes, self.latency_s, self.byte_s, 0.0,
+                                      segments=buckets(c.parameter_bytes))
             for c, r in zip(stages, schedule.replicas)]
         # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
         self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and

@@ -2,10 +2,17 @@
 
 A replicated stage (PipeDream §3.3) runs minibatch t on replica t mod r. Each replica's k-th
 backward is averaged with the other replicas' k-th backwards before the k-th optimizer step, so all
-replicas apply the same update and stay identical. Each parameter's allreduce starts from a hook the
-moment autograd has accumulated its gradient, while the backward pass goes on through earlier layers
-(wait-free backpropagation, as in Poseidon and PipeDream §4); ``A`` finds them started and ``S`` waits
-for them all.
+replicas apply the same update and stay identical. Gradients are allreduced in buckets of about
+BUCKET_BYTES: hooks add each parameter's gradient to the open bucket the moment autograd has
+accumulated it, and a full bucket's allreduce starts while the backward pass goes on through earlier
+layers (wait-free backpropagation, as in Poseidon and PipeDream §4); ``A`` starts the last, partial
+bucket and ``S`` waits for them all.
+
+[Note: buckets] One allreduce per parameter tensor paid the ring's 2(r-1) message latencies per
+tensor: a 4-layer Transformer LM (3.2 MB in about 50 tensors) on 3 replicas sharing 2 cores waited
+83-105 ms in ``S`` against the 10.6 ms a single ring allreduce of its gradient is priced at. Buckets, as
+DDP's, pay them once per bucket; the simulator prices a stage's sync as that many ring allreduces
+(:func:`buckets`).
 
 Update rule of a replicated stage s with r replicas and warm-up w = ceil(workers in stages s.. / r)
 (0-based minibatch ids): update k (k = 1, 2, ...) applies the mean gradient of minibatches
@@ -14,10 +21,20 @@ updates. With r = 1 this is the straight-pipeline rule.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from pipetrain.strategies.base import GradSync, SyncContext, Weights
+
+BUCKET_BYTES = 1 << 20
+"""Gradient bytes a replicated stage allreduces together (see [Note: buckets])."""
+
+
+def buckets(nbytes: float) -> int:
+    """Allreduces a replicated stage makes for ``nbytes`` of gradient per update."""
+    return max(1, math.ceil(nbytes / BUCKET_BYTES))
 
 
 class ReplicaAllreduce(GradSync):
@@ -30,7 +47,9 @@ class ReplicaAllreduce(GradSync):
 
     def __init__(self, group: dist.ProcessGroup, replicas: int) -> None:
         self.group, self.replicas = group, replicas
-        self._pending: list[tuple[torch.Tensor, dist.Work]] = []
+        self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []  # (tensors, flat sum, work)
+        self._bucket: list[torch.Tensor] = []
+        self._bucket_bytes = 0
         self.bytes_sent = 0  # estimated: a ring allreduce sends 2(r-1)/r of the tensor per worker
 
     def watch(self, weights: Weights) -> None:
@@ -43,14 +62,38 @@ class ReplicaAllreduce(GradSync):
 
     def _start(self, t: torch.Tensor) -> None:
         assert t.grad is not None
-        self.bytes_sent += 2 * (self.replicas - 1) * t.grad.numel() * t.grad.element_size() // self.replicas
-        self._pending.append((t, dist.all_reduce(t.grad, group=self.group, async_op=True)))
+        if self._bucket and self._bucket[0].grad.dtype != t.grad.dtype:  # type: ignore[union-attr]
+            self._flush()  # a bucket holds one dtype
+        self._bucket.append(t)
+        self._bucket_bytes += t.grad.numel() * t.grad.element_size()
+        if self._bucket_bytes >= BUCKET_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Start the open bucket's allreduce, on a flat copy of its gradients."""
+        if not self._bucket:
+            return
+        flat = torch.cat([t.grad.reshape(-1) for t in self._bucket])  # type: ignore[union-attr]
+        self.bytes_sent += 2 * (self.replicas - 1) * flat.numel() * flat.element_size() // self.replicas
+        self._pending.append((self._bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        self._bucket, self._bucket_bytes = [], 0
+
+    def start(self, mb: int, weights: Weights) -> None:
+        """The gradient is complete: start the last, partial bucket."""
+        self._flush()
 
     def wait(self, mb: int, weights: Weights) -> None:
-        """Wait for every started allreduce and turn the sums into means."""
-        for t, work in self._pending:
+        """Wait for every started allreduce and put the means back on the gradients."""
+        self._flush()
+        for tensors, flat, work in self._pending:
             work.wait()
-            t.grad.div_(self.replicas)  # type: ignore[union-attr]
+            flat.div_(self.replicas)
+            offset = 0
+            for t in tensors:
+                grad = t.grad
+                assert grad is not None
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
         self._pending.clear()
 
 
