@@ -181,3 +181,19 @@ def test_an_error_in_a_stage_names_the_stage_and_keeps_the_traceback():
     log = failed.value.log
     assert "in forward" in log.read_text() and 'raise ValueError("this layer is broken")' in log.read_text()
     log.unlink()
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
+    """Workers first import the caller's script; one that calls train at its top level makes them start
+    workers of their own, which multiprocessing refuses. The error says what to do."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text("import functools, torch, pipetrain\nfrom pipetrain.data import regression\n"
+                      "net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))\n"
+                      "pipetrain.train(net, regression(64, 4, 3), loss_fn=torch.nn.functional.mse_loss, "
+                      "optimizer=functools.partial(torch.optim.SGD, lr=0.05), stages=[0, 2], batch_size=8)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0
+    assert ("died with exit code 1 before it began its task; workers first import your script unguarded.py: "
+            'if it calls pipetrain.train outside `if __name__ == "__main__":`, put the call under it') in r.stderr

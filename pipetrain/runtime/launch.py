@@ -19,6 +19,7 @@ import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -252,6 +253,8 @@ def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[i
         else:
             code = procs[r].exitcode
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"died with exit code {code}"
+            if code > 0 and not (Path(workdir) / f"alive{r}").exists():
+                how += _before_task()
             messages[r], order[r] = f"{describe(r)} {how}", 0
     rank = min(failed, key=lambda r: (order[r], r))
     log = None
@@ -264,6 +267,17 @@ def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[i
             log = None
     message = messages[rank] + (f" (tracebacks: {log})" if log else "")
     return _with_history(PipetrainError(message, ("died", "error", "died")[order[rank]], rank, log), workdir)
+
+
+def _before_task() -> str:
+    """Why a worker that exited with an error before beginning its task did so, when it can be told: a
+    new process first imports the caller's script, so a script that calls ``train`` unguarded starts
+    workers from a worker, which multiprocessing refuses."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script:
+        return " before it began its task"
+    return (f" before it began its task; workers first import your script {Path(script).name}: if it calls "
+            "pipetrain.train outside `if __name__ == \"__main__\":`, put the call under it")
 
 
 def _silent(workdir: str, procs: list, after: float | None) -> tuple[int, float] | None:
