@@ -14,7 +14,7 @@ Two ways in:
   flat outputs by the last stage, so ``loss_fn`` gets it as the model returns it.
 
 Every layer of a graph also has a module path (``transformer.h.2.attn``: the submodule whose forward made
-it), so stages can begin at a named submodule (:meth:`LayeredModel.first_layer_of`).
+it), so stages can begin at a named submodule (:func:`split_points`).
 
 A stage module maps what crosses the cut before its first layer to what crosses the cut after its last
 one: one object in, one object out (a tensor, or a tuple of tensors for an fx cut). The stage's
@@ -77,6 +77,7 @@ class LayeredModel:
         self.model = model
         self._graph: fx.Graph | None = None
         self._root: nn.Module = model
+        self._saved: set[str] | None = None  # the model's state_dict keys, read at the first graph stage
         if isinstance(model, nn.Sequential):
             self.names = list(model._modules)
             self.paths = list(self.names)
@@ -183,9 +184,10 @@ class LayeredModel:
         else:
             graph.output(fx.map_arg(self._output.args[0], arg))
         stage = fx.GraphModule(self._root, graph, class_name="Stage")
-        saved = self.model.state_dict(keep_vars=True)
+        if self._saved is None:  # once: the profiler builds a stage per layer
+            self._saved = set(self.model.state_dict(keep_vars=True))
         for name, _ in stage.named_buffers():  # fx registers every buffer it copies as saved
-            if name not in saved:
+            if name not in self._saved:
                 owner, _, leaf = name.rpartition(".")
                 stage.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
         return stage
@@ -274,9 +276,9 @@ def _follow_mode(graph: fx.Graph) -> None:
             n.args = (*n.args[:2], mode)
         elif n.target is aten.batch_norm.default:
             n.args = (*n.args[:5], mode, *n.args[6:])
-        elif n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
+        elif p := n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0):
             with graph.inserting_before(n):
-                p = graph.call_function(_when_training, (mode, n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)))
+                p = graph.call_function(_when_training, (mode, p))
             if "dropout_p" in n.kwargs:
                 n.kwargs = {**n.kwargs, "dropout_p": p}
             else:

@@ -23,6 +23,10 @@ def accuracy(output: Any, target: torch.Tensor) -> torch.Tensor:
     return (logits_of(output).argmax(dim=-1) == target).double().mean()
 
 
+METRICS = {"accuracy": accuracy}
+"""The metrics the command line knows by name (``--metrics accuracy``)."""
+
+
 def read_log(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The update and evaluation records of a metrics log (``log_dir/metrics.jsonl``, or the directory),
     one per step: a step trained again after a restart keeps its newest record.

@@ -153,13 +153,13 @@ def _metrics(text: str | None) -> dict[str, Any] | None:
     """``--metrics accuracy,mymod:f1`` -> {name: function}: pipetrain.metrics names or MODULE:FUNCTION."""
     if not text:
         return None
-    from pipetrain import metrics
+    from pipetrain.metrics import METRICS
 
     out = {}
     for name in (n.strip() for n in text.split(",") if n.strip()):
-        fn = load_object(name) if ":" in name else getattr(metrics, name, None)
-        if fn is None or name.startswith("_") or name == "logits_of":
-            raise ValueError(f"--metrics: unknown metric {name!r}; use accuracy or MODULE:FUNCTION")
+        fn = load_object(name) if ":" in name else METRICS.get(name)
+        if fn is None:
+            raise ValueError(f"--metrics: unknown metric {name!r}; use {' | '.join(METRICS)} or MODULE:FUNCTION")
         out[name.rsplit(":", 1)[-1]] = fn
     return out
 

@@ -216,7 +216,9 @@ class JobConfig:
                              f"{len(self.boundaries)} stages")
         layers = LayeredModel(self.model, self.example)
         check_boundaries(self.boundaries, len(layers))
-        for name, stages in layers.shared_parameters(self.boundaries).items():
+        shared = layers.shared_parameters(self.boundaries)
+        if shared:
+            name, stages = next(iter(shared.items()))
             raise ValueError(f"parameter {name} is used by stages {stages} (tied weights), and each stage would train "
                              "its own copy; untie it (Hugging Face: tie_word_embeddings=False) or cut elsewhere")
         if self.vertical_sync and self.world != len(self.replicas):

@@ -132,7 +132,7 @@ def _heartbeat(beat: Path) -> None:
 def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, caller: int, mp_dir: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it stops the workers
     _die_with_caller(caller, (workdir, mp_dir))
-    _heartbeat(Path(workdir) / f"alive{rank}")
+    _heartbeat(_beat(workdir, rank))
     keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1", PIPETRAIN_WORKDIR=workdir)
@@ -209,9 +209,9 @@ def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Calla
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
                     raise _failure(workdir, failed, procs, describe, log_dir)
-                waiting = [r for r, p in enumerate(procs) if p.exitcode is None
-                           and not (Path(workdir) / f"alive{r}").exists()]
-                if waiting and time.monotonic() - since > START_S:
+                waiting = [r for r, p in enumerate(procs) if p.exitcode is None and not _beat(workdir, r).exists()] \
+                    if time.monotonic() - since > START_S else []
+                if waiting:
                     raise PipetrainError(f"{describe(waiting[0])} did not start within {START_S:.0f}s (its process "
                                          "never began the task)", "unstarted", waiting[0])
                 silent = _silent(workdir, procs, silent_after)
@@ -253,7 +253,7 @@ def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[i
         else:
             code = procs[r].exitcode
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"died with exit code {code}"
-            if code > 0 and not (Path(workdir) / f"alive{r}").exists():
+            if code > 0 and not _beat(workdir, r).exists():
                 how += _before_task()
             messages[r], order[r] = f"{describe(r)} {how}", 0
     rank = min(failed, key=lambda r: (order[r], r))
@@ -267,6 +267,11 @@ def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[i
             log = None
     message = messages[rank] + (f" (tracebacks: {log})" if log else "")
     return _with_history(PipetrainError(message, ("died", "error", "died")[order[rank]], rank, log), workdir)
+
+
+def _beat(workdir: str, rank: int) -> Path:
+    """The file worker ``rank`` touches to show it is alive (:func:`_heartbeat`); none until it begins its task."""
+    return Path(workdir) / f"alive{rank}"
 
 
 def _before_task() -> str:
@@ -286,7 +291,7 @@ def _silent(workdir: str, procs: list, after: float | None) -> tuple[int, float]
         return None
     now = time.time()
     for r, p in enumerate(procs):
-        beat = Path(workdir) / f"alive{r}"
+        beat = _beat(workdir, r)
         if p.exitcode is None and beat.exists() and now - beat.stat().st_mtime > after:
             return r, now - beat.stat().st_mtime
     return None
