@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
@@ -42,6 +42,10 @@ class Setup:
         message_cpu_s, message_cpu_s_per_byte: CPU seconds a message costs one end (all the threads of
             the process: transport, gloo), as a line through the same sizes.
         copy_s_per_byte: copying memory (a stashed weight version, a gradient buffer).
+        ring_latency_s, ring_s_per_byte: our ring allreduce over all the workers while every worker
+            computes (α and β of :func:`pipetrain.costs.ring_allreduce_time`: n bytes over p workers take
+            2(p-1) α + 2(p-1)/p n β), from two sizes (:func:`_ring_line`); 0 when not measured (a
+            profile saved before they were), and the message figures stand in.
     """
 
     backend: str
@@ -54,11 +58,20 @@ class Setup:
     message_cpu_s: float
     message_cpu_s_per_byte: float
     copy_s_per_byte: float
+    ring_latency_s: float = 0.0
+    ring_s_per_byte: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
         """Cores each worker has to itself: the machine's over its workers."""
         return self.cores / max(self.workers, 1)
+
+    def ring_terms(self) -> tuple[float, float]:
+        """(α, β) of a gradient allreduce among the workers: the measured ring's, or, in a set-up without
+        one, a message's latency and seconds per byte."""
+        if self.ring_s_per_byte > 0:
+            return self.ring_latency_s, self.ring_s_per_byte
+        return self.latency_s, self.s_per_byte
 
     def message_cpu(self, nbytes: float) -> float:
         """CPU seconds one message of ``nbytes`` costs one of its ends."""
@@ -77,13 +90,15 @@ class Setup:
         if not isinstance(data, dict):
             raise ValueError(f"profile: 'setup' is {data!r:.40}, not an object")
         kinds = {"backend": str, "workers": int, "threads": int, "cores": int}
-        return Setup(**{f.name: field_of(data, f.name, "setup", kinds.get(f.name, float)) for f in fields(Setup)})
+        return Setup(**{f.name: field_of(data, f.name, "setup", kinds.get(f.name, float),
+                                         None if f.default is MISSING else f.default) for f in fields(Setup)})
 
     def describe(self) -> str:
         """One line for people."""
         return (f"{self.workers} workers x {self.threads} threads on {self.cores} cores (compute {self.slowdown:.2f}x "
                 f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us + "
-                f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end")
+                f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
+                f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B")
 
 
 Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
@@ -169,7 +184,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
     wall = [_ping_pong(transport, rank, n, rounds, device)[0] for n in MESSAGE_SIZES]
-    dist.barrier()  # the other ranks compute until the ping-pong ends: every worker of the job is busy
+    ring_latency, ring_per_byte = _ring_line(rank, _line(wall)[1] if rank == 0 else 0.0, device)
+    dist.barrier()  # the other ranks compute until the ring ends: every worker of the job is busy
     stop.set()
     load.join()
     dist.barrier()
@@ -179,7 +195,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     cpu_s, cpu_per_byte = _line(cpu)
     return dict(backend=dist.get_backend(), workers=workers, threads=threads, cores=os.cpu_count() or 1,
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
-                message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_copy_s_per_byte(device))
+                message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_copy_s_per_byte(device),
+                ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte)
 
 
 def _ping_pong(transport: Any, rank: int, nbytes: int, rounds: int, device: torch.device) -> tuple[float, float]:
@@ -202,6 +219,38 @@ def _ping_pong(transport: Any, rank: int, nbytes: int, rounds: int, device: torc
             transport.recv(0, k, None, "the ping")
             transport.send(0, Message(k, None, 0, [payload], False))
     return (time.perf_counter() - wall) / (2 * rounds), (time.process_time() - cpu) / (2 * rounds)
+
+
+RING_BYTES = (1 << 16, 1 << 20, 1 << 25)
+"""Gradient bytes of the small ring allreduce, and the bounds of the large one (:func:`_ring_line`)."""
+RING_SECONDS = 0.1
+"""About how long the large ring allreduce should take, judged from the ping-pong's seconds per byte."""
+
+
+def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int = 3) -> tuple[float, float]:
+    """(α, β) of :func:`pipetrain.strategies.ring.ring_allreduce` over every rank (all call it, each
+    while its compute thread runs): the median of ``rounds`` allreduces of a small and a large gradient,
+    and the ring model's line through the two. Large: as many bytes as the ping-pong's ``s_per_byte``
+    (rank 0's) moves in :data:`RING_SECONDS`, within :data:`RING_BYTES`; a one-message line under-rates
+    what a long transfer costs (on loopback gloo moved 1 MiB messages at 0.26 ns/B, a 108 MB ring at
+    1.9 ns/B with the cores busy)."""
+    import torch.distributed as dist
+
+    from pipetrain.strategies.compression import get_codec
+    from pipetrain.strategies.ring import block_size, ring_allreduce
+
+    world = dist.get_world_size()
+    big = [min(RING_BYTES[2], max(RING_BYTES[1], int(RING_SECONDS / max(s_per_byte, 1e-12))))]
+    dist.broadcast_object_list(big, src=0)
+    sizes = (RING_BYTES[0], big[0])
+    times = []
+    for nbytes in sizes:
+        blocks = torch.zeros(world, block_size(nbytes // 4, world, 1), device=device)
+        times.append(median_seconds(lambda: ring_allreduce(blocks, None, get_codec(None)), rounds,
+                                    sync=dist.barrier))
+    hops, share = 2 * (world - 1), 2 * (world - 1) / world
+    per_byte = max(0.0, times[1] - times[0]) / (share * (sizes[1] - sizes[0]))
+    return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
 
 
 def _line(points: list[float]) -> tuple[float, float]:

@@ -28,8 +28,9 @@ B, U, and on ``pipedream`` the copy of a new weight version at a stage that stas
 ``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a transfer takes the measured
 message latency more, and the slower of the link's and the measured seconds per byte; a send and
 a receive take the CPU a message end costs from a worker with under 2 cores; a replicated stage's
-sync is a ring allreduce with the measured latency per step, once per bucket of its gradient
-(:func:`pipetrain.strategies.allreduce.buckets`: the runtime's replicas allreduce in buckets).
+sync is a ring allreduce with the measured ring's latency per step and seconds per byte (the slower of
+it and the link's), once per bucket of its gradient (:func:`pipetrain.strategies.allreduce.buckets`:
+the runtime's replicas allreduce in buckets).
 
 Each link has a single sender, which issues transfers in program order, and every other time is a
 max over already known times, so event times do not depend on the order in which workers are
@@ -180,13 +181,14 @@ class SimResult:
                 "peak_activation_bytes": self.peak_activation_bytes}
 
 
-def _link_terms(link: Link, setup: Setup | None) -> tuple[float, float]:
-    """(latency, seconds per byte) of one message on ``link``: with a measured set-up, its message
-    latency more, at the slower of the link's and the measured transport's seconds per byte
-    (see [Note: run set-up])."""
+def _link_terms(link: Link, setup: Setup | None, ring: bool = False) -> tuple[float, float]:
+    """(latency, seconds per byte) of one message on ``link`` (``ring``: of one step of a gradient
+    allreduce, per gradient byte): with a measured set-up, its message (ring) latency more, at the slower
+    of the link's and the measured transport's (ring's) seconds per byte (see [Note: run set-up])."""
     if setup is None:
         return link.latency_s, 1 / link.bandwidth_Bps
-    return link.latency_s + setup.latency_s, max(1 / link.bandwidth_Bps, setup.s_per_byte)
+    latency, per_byte = setup.ring_terms() if ring else (setup.latency_s, setup.s_per_byte)
+    return link.latency_s + latency, max(1 / link.bandwidth_Bps, per_byte)
 
 
 class _Sim:
@@ -217,9 +219,10 @@ class _Sim:
         self.peak_versions, self.peak_in_flight = [1] * n, [0] * n
         # PipeDream §3.2's W^m: the parameter-server volume over one link; nothing for one replica
         self.latency_s, self.byte_s = _link_terms(link, setup)
+        ring_latency_s, ring_byte_s = _link_terms(link, setup, ring=True)
         self.sync_s = list(sync_s) if sync_s is not None else [
             0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r)) if setup is None else
-            costs.ring_allreduce_time(r, c.parameter_bytes, self.latency_s, self.byte_s, 0.0,
+            costs.ring_allreduce_time(r, c.parameter_bytes, ring_latency_s, ring_byte_s, 0.0,
                                       segments=buckets(c.parameter_bytes))
             for c, r in zip(stages, schedule.replicas)]
         # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
@@ -477,8 +480,12 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
     if reduce_s is None:
         reduce_s = ring_compute_seconds(codec, elements, workers)
+        if setup is not None:  # arithmetic as slow as the other compute; a measured ring holds the plain adds
+            if setup.ring_s_per_byte > 0:
+                reduce_s = max(0.0, reduce_s - ring_compute_seconds(get_codec(None), elements, workers))
+            reduce_s = costs.contended_s(reduce_s, slowdown)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
-    latency, byte_s = _link_terms(link, setup)
+    latency, byte_s = _link_terms(link, setup, ring=True)
     comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) if workers > 1 else 0.0
     if comm_cpu_s is None:  # each of the 2(p-1) steps sends one block and receives one
         comm_cpu_s = 0.0 if setup is None else 4 * (workers - 1) * setup.message_cpu(payload / workers)

@@ -1,6 +1,7 @@
 """Predictions from a profile with the optimizer step and a measured run set-up, and strategy="auto"."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -12,10 +13,10 @@ from torch.utils.data import TensorDataset
 import pipetrain
 from pipetrain.planning import plan
 from pipetrain.planning.choose import choose_strategy
-from pipetrain.profiling import LayerProfile, Profile, profile_model
+from pipetrain.profiling import LayerProfile, Profile, _field, profile_model
 from pipetrain.registry import build_schedule
-from pipetrain.runsetup import Setup
-from pipetrain.simulate import simulate
+from pipetrain.runsetup import Setup, measure_setup
+from pipetrain.simulate import Link, predict_data_parallel, simulate
 
 MS = 1e-3
 
@@ -48,6 +49,36 @@ def test_a_measured_setup_times_every_action_as_worked_out_by_hand():
 def test_the_message_cpu_counts_only_when_a_worker_has_under_two_cores():
     roomy = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(setup(cores=8)), [0, 1])
     assert dict((a, e - s) for a, s, e in roomy.trace[0])["SF0"] == 0.0
+
+
+def test_gradient_allreduces_are_priced_with_the_measured_ring_not_the_message_line():
+    """Two replicas of one stage of 800 parameter bytes, and pipe-sgd over 2 workers of the same model:
+    one ring allreduce of n bytes over p = 2 workers takes 2 (p-1) α + 2 (p-1)/p n β, with the ring's
+    α = 3 ms and β = 2 us/B (7.6 ms), not the message line's 1 ms and 1 us/B (2.8 ms)."""
+    ring = setup(cores=8, slowdown=1.0, ring_latency_s=3 * MS, ring_s_per_byte=2e-6)
+    profile = two_layers(ring)
+    result = simulate(build_schedule("pipedream", [2], 4), profile, [0])
+    times = {a: (s, e) for a, s, e in result.trace[0]}
+    by_hand = 2 * 3 * MS + 800 * 2e-6  # both layers' 400 parameter bytes, one bucket
+    assert times["S0"][1] - times["A0"][0] == pytest.approx(by_hand)
+    dp = predict_data_parallel(profile, "pipe-sgd", 2, Link(), reduce_s=0.0)
+    assert dp.comm_s == pytest.approx(by_hand)
+    without = predict_data_parallel(two_layers(setup(cores=8, slowdown=1.0)), "pipe-sgd", 2, Link(), reduce_s=0.0)
+    assert without.comm_s == pytest.approx(2 * 1 * MS + 800 * 1e-6)
+
+
+def test_a_setup_saved_before_the_ring_was_measured_loads_and_prices_with_messages():
+    fields = {k: v for k, v in dataclasses.asdict(setup()).items() if not k.startswith("ring_")}
+    old = Setup.from_dict(fields, _field)
+    assert (old.ring_latency_s, old.ring_s_per_byte) == (0.0, 0.0)
+    assert old.ring_terms() == (old.latency_s, old.s_per_byte)
+
+
+def test_the_setup_probe_measures_a_ring_allreduce_among_the_workers():
+    measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1)
+    assert measured.ring_s_per_byte > 0 and measured.ring_terms() == (measured.ring_latency_s,
+                                                                      measured.ring_s_per_byte)
+    assert "ring" in measured.describe()
 
 
 def test_the_planner_counts_the_optimizer_step():

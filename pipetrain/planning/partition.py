@@ -167,9 +167,12 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
     # [Note: run set-up] of the simulator, in the planner's terms: a stage pays the CPU of the two
     # message ends at each of its cuts (activations and gradients), a stashed copy of its weights
     # (not the output stage), its compute slowed by workers sharing cores; a boundary pays the
-    # message latency and the slower of the link and the transport; a sync its ring's latencies.
+    # message latency and the slower of the link and the transport; a sync the measured ring's latencies
+    # and the slower of the link and the measured ring per byte.
     setup = profile.setup
     slowdown, latency = (1.0, 0.0) if setup is None else (setup.slowdown, setup.latency_s)
+    ring_latency, ring_per_byte = (0.0, 0.0) if setup is None else setup.ring_terms()
+    ring_rate = np.inf if ring_per_byte == 0 else 1 / ring_per_byte
     cpu = np.array([0.0] + [2 * setup.shared_cpu(c) if setup else 0.0 for c in cut[1:N]] + [0.0])
     copy_per_byte = 0.0 if setup is None else setup.copy_s_per_byte
     transport = np.inf if setup is None or setup.s_per_byte == 0 else 1 / setup.s_per_byte
@@ -207,7 +210,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
         part = params[js] - params[i]
         work = stage_work_s(compute[js] - compute[i], 0.0, np.where(js < N, part * copy_per_byte, 0.0),
                             cpu[i] + cpu[js], slowdown)
-        sync = dp_sync_bytes(part, r, allreduce) / np.minimum(bw_stage, transport) + 2 * (r - 1) * latency
+        sync = dp_sync_bytes(part, r, allreduce) / np.minimum(bw_stage, ring_rate) + 2 * (r - 1) * ring_latency
         T = stage_time(work, sync, r)
         if limit is not None:
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
