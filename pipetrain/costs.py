@@ -224,6 +224,15 @@ def cgdp_overhead_eq2(as_s: list[float], aa_s: list[float], bc_s: list[float]) -
     return sum(as_s) + aa_s[-1] + bc_s[-1]
 
 
+def overlapped_backward_s(bp_s: list[float], allreduce_s: list[float], tail_s: float = 0.0) -> float:
+    """The backward of synchronous data parallelism that allreduces each bucket of gradients as soon as
+    the backward has made it, one allreduce at a time (PyTorch DDP's buckets): eq. 1 with t_aa the
+    bucket's allreduce, t_as = t_bc = 0, and the accumulations queued (``serial``). Units are the
+    buckets in backward order; ``bp_s`` the backward until each bucket's gradients exist."""
+    zeros = [0.0] * len(bp_s)
+    return cgdp_backward_s(bp_s, zeros, allreduce_s, zeros, tail_s, serial=True)
+
+
 def dp_overhead_s(aa_s: list[float], bc_s: list[float]) -> float:
     """§3.2: T'_O = sum_i (t_aa^i + t_bc^i), data parallelism accumulating and broadcasting every layer's
     gradient after the backward."""

@@ -46,6 +46,9 @@ class Setup:
             computes (α and β of :func:`pipetrain.costs.ring_allreduce_time`: n bytes over p workers take
             2(p-1) α + 2(p-1)/p n β), from two sizes (:func:`_ring_line`); 0 when not measured (a
             profile saved before they were), and the message figures stand in.
+        allreduce_latency_s: α of the backend's own allreduce (what DDP, a replicated stage's buckets
+            and CGDP's signals use): a 1-element ``all_reduce`` among all the workers while they
+            compute, over its 2(p-1) steps; 0 when not measured.
     """
 
     backend: str
@@ -60,18 +63,21 @@ class Setup:
     copy_s_per_byte: float
     ring_latency_s: float = 0.0
     ring_s_per_byte: float = 0.0
+    allreduce_latency_s: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
         """Cores each worker has to itself: the machine's over its workers."""
         return self.cores / max(self.workers, 1)
 
-    def ring_terms(self) -> tuple[float, float]:
-        """(α, β) of a gradient allreduce among the workers: the measured ring's, or, in a set-up without
-        one, a message's latency and seconds per byte."""
-        if self.ring_s_per_byte > 0:
-            return self.ring_latency_s, self.ring_s_per_byte
-        return self.latency_s, self.s_per_byte
+    def allreduce_terms(self, ours: bool) -> tuple[float, float]:
+        """(α, β) of a gradient allreduce among the workers: ``ours`` our ring's
+        (:mod:`pipetrain.strategies.ring`, pipe-sgd's), else the backend's ``all_reduce``; both move
+        bytes at the measured ring's rate. In a set-up without them, a message's latency and seconds
+        per byte stand in."""
+        latency = self.ring_latency_s if ours else self.allreduce_latency_s
+        return (latency if latency > 0 else self.latency_s,
+                self.ring_s_per_byte if self.ring_s_per_byte > 0 else self.s_per_byte)
 
     def message_cpu(self, nbytes: float) -> float:
         """CPU seconds one message of ``nbytes`` costs one of its ends."""
@@ -98,7 +104,8 @@ class Setup:
         return (f"{self.workers} workers x {self.threads} threads on {self.cores} cores (compute {self.slowdown:.2f}x "
                 f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us + "
                 f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
-                f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B")
+                f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B, "
+                f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step")
 
 
 Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
@@ -185,6 +192,9 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     load.start()
     wall = [_ping_pong(transport, rank, n, rounds, device)[0] for n in MESSAGE_SIZES]
     ring_latency, ring_per_byte = _ring_line(rank, _line(wall)[1] if rank == 0 else 0.0, device)
+    flag = torch.zeros(1, device=device)
+    steps = 2 * (dist.get_world_size() - 1)
+    allreduce_latency = median_seconds(lambda: dist.all_reduce(flag), rounds, warmup=2, sync=dist.barrier) / steps
     dist.barrier()  # the other ranks compute until the ring ends: every worker of the job is busy
     stop.set()
     load.join()
@@ -196,7 +206,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     return dict(backend=dist.get_backend(), workers=workers, threads=threads, cores=os.cpu_count() or 1,
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
                 message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_copy_s_per_byte(device),
-                ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte)
+                ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency)
 
 
 def _ping_pong(transport: Any, rank: int, nbytes: int, rounds: int, device: torch.device) -> tuple[float, float]:

@@ -28,8 +28,8 @@ B, U, and on ``pipedream`` the copy of a new weight version at a stage that stas
 ``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a transfer takes the measured
 message latency more, and the slower of the link's and the measured seconds per byte; a send and
 a receive take the CPU a message end costs from a worker with under 2 cores; a replicated stage's
-sync is a ring allreduce with the measured ring's latency per step and seconds per byte (the slower of
-it and the link's), once per bucket of its gradient (:func:`pipetrain.strategies.allreduce.buckets`:
+sync is a ring allreduce with the measured allreduce's latency per step and the ring's seconds per
+byte (the slower of it and the link's), once per bucket of its gradient (:func:`pipetrain.strategies.allreduce.buckets`:
 the runtime's replicas allreduce in buckets).
 
 Each link has a single sender, which issues transfers in program order, and every other time is a
@@ -181,13 +181,15 @@ class SimResult:
                 "peak_activation_bytes": self.peak_activation_bytes}
 
 
-def _link_terms(link: Link, setup: Setup | None, ring: bool = False) -> tuple[float, float]:
-    """(latency, seconds per byte) of one message on ``link`` (``ring``: of one step of a gradient
-    allreduce, per gradient byte): with a measured set-up, its message (ring) latency more, at the slower
-    of the link's and the measured transport's (ring's) seconds per byte (see [Note: run set-up])."""
+def _link_terms(link: Link, setup: Setup | None, allreduce: str | None = None) -> tuple[float, float]:
+    """(latency, seconds per byte) of one message on ``link``, or with ``allreduce`` (``"ours"``: our
+    ring, ``"backend"``: the backend's ``all_reduce``) of one step of a gradient allreduce: with a
+    measured set-up, its message (allreduce) latency more, at the slower of the link's and the
+    measured transport's (ring's) seconds per byte (see [Note: run set-up])."""
     if setup is None:
         return link.latency_s, 1 / link.bandwidth_Bps
-    latency, per_byte = setup.ring_terms() if ring else (setup.latency_s, setup.s_per_byte)
+    latency, per_byte = (setup.latency_s, setup.s_per_byte) if allreduce is None else \
+        setup.allreduce_terms(ours=allreduce == "ours")
     return link.latency_s + latency, max(1 / link.bandwidth_Bps, per_byte)
 
 
@@ -219,7 +221,7 @@ class _Sim:
         self.peak_versions, self.peak_in_flight = [1] * n, [0] * n
         # PipeDream §3.2's W^m: the parameter-server volume over one link; nothing for one replica
         self.latency_s, self.byte_s = _link_terms(link, setup)
-        ring_latency_s, ring_byte_s = _link_terms(link, setup, ring=True)
+        ring_latency_s, ring_byte_s = _link_terms(link, setup, allreduce="backend")
         self.sync_s = list(sync_s) if sync_s is not None else [
             0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r)) if setup is None else
             costs.ring_allreduce_time(r, c.parameter_bytes, ring_latency_s, ring_byte_s, 0.0,
@@ -446,14 +448,20 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         compression: the codec inside pipe-sgd's ring.
         update_s: seconds per optimizer step (default: the profile's optimizer seconds).
         reduce_s: seconds of codec arithmetic per allreduce (γ's total); default measured here with
-            :func:`pipetrain.strategies.ring.ring_compute_seconds`.
+            :func:`pipetrain.strategies.ring.ring_compute_seconds`, with a measured set-up as slow as
+            its other compute, less the plain adds a measured ring's seconds per byte already hold.
         comm_cpu_s, cores_per_worker: CPU seconds one allreduce costs a worker, and the cores each
             worker has: with fewer than 2, a stale strategy's compute side carries that CPU too
             (:func:`pipetrain.costs.shared_core_compute_s`; the simulator charges it to ``U``). Default:
-            from the profile's measured set-up (its 2(p-1) sends and receives), else 0 and unlimited.
+            from the profile's measured set-up (its 2(p-1) sends and receives, and the ring's
+            arithmetic), else 0 and unlimited.
 
-    With a measured set-up in the profile, compute takes its ``slowdown`` times as long, and every ring
-    step its message latency more, at the slower of the link's and the measured seconds per byte.
+    With a measured set-up in the profile, compute takes its ``slowdown`` times as long, every ring
+    step the measured allreduce's latency more (our ring's for pipe-sgd, the backend's for ddp), at the
+    slower of the link's and the measured ring's seconds per byte, and pipe-sgd's update its copy of
+    the gradient out of ``.grad``. ``ddp`` waits after its backward only for what its bucket
+    allreduces during the backward did not finish (``comm_s`` stays one allreduce of the whole
+    gradient).
         minibatches: how many the simulator runs (its rate is taken between the first and last update).
 
     Raises:
@@ -478,31 +486,65 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         update_s = costs.contended_s(whole.update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
     payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
-    if reduce_s is None:
-        reduce_s = ring_compute_seconds(codec, elements, workers)
-        if setup is not None:  # arithmetic as slow as the other compute; a measured ring holds the plain adds
-            if setup.ring_s_per_byte > 0:
-                reduce_s = max(0.0, reduce_s - ring_compute_seconds(get_codec(None), elements, workers))
-            reduce_s = costs.contended_s(reduce_s, slowdown)
+    arithmetic = costs.contended_s(ring_compute_seconds(codec, elements, workers), slowdown)
+    if reduce_s is None:  # a measured ring's seconds per byte hold its plain adds already
+        plain = ring_compute_seconds(get_codec(None), elements, workers) \
+            if setup is not None and setup.ring_s_per_byte > 0 else 0.0
+        reduce_s = max(0.0, arithmetic - costs.contended_s(plain, slowdown))
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
-    latency, byte_s = _link_terms(link, setup, ring=True)
+    latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
     comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) if workers > 1 else 0.0
-    if comm_cpu_s is None:  # each of the 2(p-1) steps sends one block and receives one
-        comm_cpu_s = 0.0 if setup is None else 4 * (workers - 1) * setup.message_cpu(payload / workers)
+    if comm_cpu_s is None:  # each of the 2(p-1) steps sends one block and receives one; and the codec's work
+        comm_cpu_s = 0.0 if setup is None else 4 * (workers - 1) * setup.message_cpu(payload / workers) + arithmetic
     if cores_per_worker is None:
         cores_per_worker = math.inf if setup is None else setup.cores_per_worker
+    # our ring's A copies the gradient out of .grad on the compute thread
+    if spec.compresses and setup is not None:
+        update_s += costs.contended_s(whole.parameter_bytes * setup.copy_s_per_byte, slowdown)
     # synchronous SGD waits for the allreduce anyway (eq. 2), so its CPU only counts for K >= 2
     step_s = costs.shared_core_compute_s(update_s, 0.0, comm_cpu_s, cores_per_worker) if k > 1 else update_s
+    # DDP allreduces its buckets during the backward: only what is left after it waits
+    waited_s = _ddp_waited_s(profile, workers, batch_size, slowdown, latency, byte_s) \
+        if strategy == "ddp" and workers > 1 else comm_s
     sim = simulate(build_data_parallel(strategy, workers, minibatches, k), profile, [0], link, batch_size,
-                   step_s, sync_s=[comm_s])
+                   step_s, sync_s=[waited_s])
     per_iteration = costs.pipe_sgd_time(1, step_s, compute_s, comm_s) if k > 1 else \
-        costs.sync_sgd_time(1, update_s, compute_s, comm_s)
+        costs.sync_sgd_time(1, update_s, compute_s, waited_s)
     return DataParallelPrediction(
         samples_per_s=sim.samples_per_s or 0.0,
         formula_samples_per_s=float(batch / per_iteration) if batch else 0.0,
         scaling_efficiency=float(costs.scaling_efficiency(step_s, compute_s, comm_s)), compute_s=compute_s,
         update_s=step_s, comm_s=comm_s, payload_bytes=payload,
         bound="compute" if step_s + compute_s >= comm_s else "communication", sim=sim)
+
+
+def _ddp_waited_s(profile: Profile, workers: int, batch_size: int | None, slowdown: float, latency_s: float,
+                  byte_s: float) -> float:
+    """Seconds a DDP worker waits for its allreduces after its own backward: its buckets
+    (:data:`pipetrain.strategies.ddp.BUCKET_BYTES`, the first one smaller), in backward order, each
+    allreduced (a ring) as soon as the backward has made it, one at a time
+    (:func:`pipetrain.costs.overlapped_backward_s`)."""
+    from pipetrain.strategies.ddp import BUCKET_BYTES, FIRST_BUCKET_BYTES
+
+    [whole] = stage_costs(profile, [0], batch_size)
+    backward = costs.contended_s(whole.share(workers).backward_s, slowdown)
+    scale = backward / max(sum(x.backward_s for x in profile.layers), 1e-300)
+    bp: list[float] = []
+    sizes: list[int] = []
+    pending_s, pending_bytes = 0.0, 0
+    for layer in reversed(profile.layers):
+        pending_s += layer.backward_s * scale
+        pending_bytes += layer.parameter_bytes
+        if pending_bytes >= (FIRST_BUCKET_BYTES if not sizes else BUCKET_BYTES):
+            bp.append(pending_s)
+            sizes.append(pending_bytes)
+            pending_s, pending_bytes = 0.0, 0
+    if pending_bytes:
+        bp.append(pending_s)
+        sizes.append(pending_bytes)
+        pending_s = 0.0
+    allreduce = [float(costs.ring_allreduce_time(workers, n, latency_s, byte_s, 0.0)) for n in sizes]
+    return costs.overlapped_backward_s(bp, allreduce, pending_s) - backward
 
 
 @dataclass

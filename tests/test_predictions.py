@@ -51,34 +51,54 @@ def test_the_message_cpu_counts_only_when_a_worker_has_under_two_cores():
     assert dict((a, e - s) for a, s, e in roomy.trace[0])["SF0"] == 0.0
 
 
-def test_gradient_allreduces_are_priced_with_the_measured_ring_not_the_message_line():
-    """Two replicas of one stage of 800 parameter bytes, and pipe-sgd over 2 workers of the same model:
-    one ring allreduce of n bytes over p = 2 workers takes 2 (p-1) α + 2 (p-1)/p n β, with the ring's
-    α = 3 ms and β = 2 us/B (7.6 ms), not the message line's 1 ms and 1 us/B (2.8 ms)."""
-    ring = setup(cores=8, slowdown=1.0, ring_latency_s=3 * MS, ring_s_per_byte=2e-6)
-    profile = two_layers(ring)
-    result = simulate(build_schedule("pipedream", [2], 4), profile, [0])
-    times = {a: (s, e) for a, s, e in result.trace[0]}
-    by_hand = 2 * 3 * MS + 800 * 2e-6  # both layers' 400 parameter bytes, one bucket
-    assert times["S0"][1] - times["A0"][0] == pytest.approx(by_hand)
-    dp = predict_data_parallel(profile, "pipe-sgd", 2, Link(), reduce_s=0.0)
-    assert dp.comm_s == pytest.approx(by_hand)
+def test_gradient_allreduces_are_priced_with_the_measured_allreduces_not_the_message_line():
+    """One stage of 800 parameter bytes on 2 workers. One allreduce of n bytes over p = 2 takes
+    2 (p-1) α + 2 (p-1)/p n β, with the measured ring's β = 2 us/B and the α of what runs it: our ring's
+    3 ms for pipe-sgd (7.6 ms), the backend's all_reduce's 0.5 ms for ddp and a replicated stage's
+    sync (2.6 ms), not the message line's 1 ms and 1 us/B (2.8 ms)."""
+    measured = setup(cores=8, slowdown=1.0, ring_latency_s=3 * MS, ring_s_per_byte=2e-6, allreduce_latency_s=0.5 * MS)
+    profile = two_layers(measured)
+    ours, backend = 2 * 3 * MS + 800 * 2e-6, 2 * 0.5 * MS + 800 * 2e-6
+    times = {a: (s, e) for a, s, e in simulate(build_schedule("pipedream", [2], 4), profile, [0]).trace[0]}
+    assert times["S0"][1] - times["A0"][0] == pytest.approx(backend)  # both layers' 400 bytes: one bucket
+    assert predict_data_parallel(profile, "pipe-sgd", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(ours)
+    assert predict_data_parallel(profile, "ddp", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(backend)
     without = predict_data_parallel(two_layers(setup(cores=8, slowdown=1.0)), "pipe-sgd", 2, Link(), reduce_s=0.0)
     assert without.comm_s == pytest.approx(2 * 1 * MS + 800 * 1e-6)
 
 
-def test_a_setup_saved_before_the_ring_was_measured_loads_and_prices_with_messages():
-    fields = {k: v for k, v in dataclasses.asdict(setup()).items() if not k.startswith("ring_")}
+def test_ddp_waits_only_for_the_allreduces_its_backward_did_not_hide():
+    """Two layers of 2 MiB of weights, 20 ms of backward each on the whole batch (10 ms on each of 2
+    workers' halves). DDP's first bucket (1 MiB cap) is the last layer's gradient, ready at 10 ms; the
+    second the first layer's, ready at 20 ms. Each allreduce: 2 x 1 ms + 2 MiB x 5 ns/B = 12.49 ms, one
+    at a time: the first ends at 22.49 ms, the second at 34.97 ms, 14.97 ms after the backward (not
+    24.97, the two allreduces after it)."""
+    mib2 = 2 << 20
+    layers = [LayerProfile(str(i), 2 * MS, 20 * MS, 1000, mib2) for i in range(2)]
+    measured = setup(cores=8, slowdown=1.0, ring_s_per_byte=5e-9, allreduce_latency_s=1 * MS)
+    profile = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured)
+    ddp = predict_data_parallel(profile, "ddp", 2, Link(), reduce_s=0.0)
+    allreduce = 2 * MS + mib2 * 5e-9
+    assert ddp.comm_s == pytest.approx(2 * MS + 2 * mib2 * 5e-9)  # the whole gradient at once
+    waited = 10 * MS + 2 * allreduce - 20 * MS
+    iteration = 2 * MS + 20 * MS + waited  # forward, backward, then the wait; no optimizer time
+    assert ddp.formula_samples_per_s == pytest.approx(32 / iteration)
+    assert ddp.samples_per_s == pytest.approx(32 / iteration)
+
+
+def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with_messages():
+    fields = {k: v for k, v in dataclasses.asdict(setup()).items() if "ring" not in k and "allreduce" not in k}
     old = Setup.from_dict(fields, _field)
-    assert (old.ring_latency_s, old.ring_s_per_byte) == (0.0, 0.0)
-    assert old.ring_terms() == (old.latency_s, old.s_per_byte)
+    assert (old.ring_latency_s, old.ring_s_per_byte, old.allreduce_latency_s) == (0.0, 0.0, 0.0)
+    assert old.allreduce_terms(ours=True) == old.allreduce_terms(ours=False) == (old.latency_s, old.s_per_byte)
 
 
-def test_the_setup_probe_measures_a_ring_allreduce_among_the_workers():
+def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1)
-    assert measured.ring_s_per_byte > 0 and measured.ring_terms() == (measured.ring_latency_s,
-                                                                      measured.ring_s_per_byte)
-    assert "ring" in measured.describe()
+    assert measured.ring_s_per_byte > 0 and measured.allreduce_latency_s > 0
+    assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
+                                                   measured.ring_s_per_byte)
+    assert "ring" in measured.describe() and "allreduce" in measured.describe()
 
 
 def test_the_planner_counts_the_optimizer_step():

@@ -196,8 +196,8 @@ def _best_chunk(profile: Profile, workers: int, batch: int, host: dict[str, floa
     if host is None:
         host = measure_host_costs(min(sum(x.parameter_bytes for x in profile.layers) // 4, 1 << 24), workers)
     # a signal is a 1-element allreduce among the machine's workers: 2 (L - 1) messages
-    signal = 0.0 if profile.setup is None else float(ring_allreduce_time(workers, 4.0, *profile.setup.ring_terms(),
-                                                                         0.0))
+    signal = 0.0 if profile.setup is None else float(ring_allreduce_time(
+        workers, 4.0, *profile.setup.allreduce_terms(ours=False), 0.0))
     rates = {k: predict_cgdp(profile, workers, k, batch, signal_s=signal, copy_s_per_byte=host["copy_s_per_byte"],
                              sum_s_per_byte=host["sum_s_per_byte"]).samples_per_s
              for k in range(1, max(units, 1) + 1)}

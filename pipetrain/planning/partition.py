@@ -167,11 +167,11 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
     # [Note: run set-up] of the simulator, in the planner's terms: a stage pays the CPU of the two
     # message ends at each of its cuts (activations and gradients), a stashed copy of its weights
     # (not the output stage), its compute slowed by workers sharing cores; a boundary pays the
-    # message latency and the slower of the link and the transport; a sync the measured ring's latencies
-    # and the slower of the link and the measured ring per byte.
+    # message latency and the slower of the link and the transport; a sync the measured allreduce's
+    # latencies and the slower of the link and the measured ring per byte.
     setup = profile.setup
     slowdown, latency = (1.0, 0.0) if setup is None else (setup.slowdown, setup.latency_s)
-    ring_latency, ring_per_byte = (0.0, 0.0) if setup is None else setup.ring_terms()
+    ring_latency, ring_per_byte = (0.0, 0.0) if setup is None else setup.allreduce_terms(ours=False)
     ring_rate = np.inf if ring_per_byte == 0 else 1 / ring_per_byte
     cpu = np.array([0.0] + [2 * setup.shared_cpu(c) if setup else 0.0 for c in cut[1:N]] + [0.0])
     copy_per_byte = 0.0 if setup is None else setup.copy_s_per_byte

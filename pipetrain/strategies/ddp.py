@@ -17,6 +17,12 @@ from torch.nn.parallel import DistributedDataParallel
 from pipetrain.strategies.base import GradSync, SyncContext, Weights
 
 
+BUCKET_BYTES = 25 << 20
+"""DDP's ``bucket_cap_mb`` default: gradients are allreduced in buckets of about this many bytes."""
+FIRST_BUCKET_BYTES = 1 << 20
+"""DDP's first bucket (the last layers' gradients) is this small, so its allreduce starts early."""
+
+
 class DDPSync(GradSync):
     """Wraps the model in ``DistributedDataParallel``; counts the bytes a ring allreduce moves.
 
