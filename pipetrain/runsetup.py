@@ -48,7 +48,8 @@ class Setup:
             profile saved before they were), and the message figures stand in.
         allreduce_latency_s: α of the backend's own allreduce (what DDP, a replicated stage's buckets
             and CGDP's signals use): a 1-element ``all_reduce`` among all the workers while they
-            compute, over its 2(p-1) steps; 0 when not measured.
+            compute, from the last rank's call, over its 2(p-1) steps (:func:`_allreduce_latency`); 0
+            when not measured.
     """
 
     backend: str
@@ -192,9 +193,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     load.start()
     wall = [_ping_pong(transport, rank, n, rounds, device)[0] for n in MESSAGE_SIZES]
     ring_latency, ring_per_byte = _ring_line(rank, _line(wall)[1] if rank == 0 else 0.0, device)
-    flag = torch.zeros(1, device=device)
-    steps = 2 * (dist.get_world_size() - 1)
-    allreduce_latency = median_seconds(lambda: dist.all_reduce(flag), rounds, warmup=2, sync=dist.barrier) / steps
+    allreduce_latency = _allreduce_latency(rank, rounds, device)
     dist.barrier()  # the other ranks compute until the ring ends: every worker of the job is busy
     stop.set()
     load.join()
@@ -261,6 +260,34 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int =
     hops, share = 2 * (world - 1), 2 * (world - 1) / world
     per_byte = max(0.0, times[1] - times[0]) / (share * (sizes[1] - sizes[0]))
     return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
+
+
+STAGGER_S = 0.002
+"""Up to how long each rank computes, a different time in every round, before it joins an allreduce."""
+
+
+def _allreduce_latency(rank: int, rounds: int, device: torch.device) -> float:
+    """α of the backend's ``all_reduce`` (per ring step) as a job meets it: in each round every rank
+    computes for a different time up to :data:`STAGGER_S`, then calls a 1-element ``all_reduce``; the
+    round's time is the last caller's (the others were already waiting), which leaves what it costs once
+    every rank has arrived, the waiting ranks' threads woken on cores that are busy. Median over
+    ``rounds``. Ranks lined up by a barrier before each call read 0.2-0.8 ms per step where the demo's
+    replicated stages waited 1-2 ms."""
+    import random
+
+    import torch.distributed as dist
+
+    flag, stagger, spans = torch.zeros(1, device=device), random.Random(rank), []
+    for _ in range(rounds + 2):
+        until = time.perf_counter() + stagger.uniform(0.0, STAGGER_S)
+        while time.perf_counter() < until:
+            pass
+        t0 = time.perf_counter()
+        dist.all_reduce(flag)
+        spans.append(time.perf_counter() - t0)
+    last = torch.tensor(spans[2:], dtype=torch.float64, device=device)
+    dist.all_reduce(last, op=dist.ReduceOp.MIN)
+    return statistics.median(last.tolist()) / (2 * (dist.get_world_size() - 1))
 
 
 def _line(points: list[float]) -> tuple[float, float]:

@@ -89,9 +89,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p, prof_foreign = patience(take_profiles, "profiles")
     prof, prof_micro, boundaries, update, extras = (p[k] for k in ("prof", "prof_micro", "boundaries", "update",
                                                                     "extras"))
+    # the set-up's shared work is a training step at the size the workers run: a minibatch, or a microbatch
     setup, _ = patience(lambda _: predict.measured_setup(model, data, cfg.batch, len(boundaries)), "set-up")
-    prof.setup = prof_micro.setup = setup
-    print(f"run set-up: {setup.describe()}")
+    setup_micro, _ = patience(lambda _: predict.measured_setup(model, data, cfg.batch // cfg.micro, len(boundaries)),
+                              "set-up at the microbatch")
+    prof.setup, prof_micro.setup = setup, setup_micro
+    print(f"run set-up: {setup.describe()}\nat the microbatch ({cfg.batch // cfg.micro}): {setup_micro.describe()}")
     stage_layers = [(a, b - 1) for a, b in zip(boundaries, [*boundaries[1:], len(prof)])]
     by_m = {1: prof, cfg.micro: predict.as_microbatched(prof_micro, cfg.micro, cfg.batch)}
     corun = {b: diagnose.corun_slowdown(cfg, model, stage_layers, b) for b in (cfg.batch, cfg.batch // cfg.micro)}
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "minibatches": cfg.minibatches, "skip": cfg.skip, "tail": cfg.tail, "reps": cfg.reps,
                       "boundaries": boundaries, "quick": args.quick, "smoke": args.smoke},
            "profile_foreign_cores": prof_foreign, "update_s": update, "extras": extras,
-           "setup": dataclasses.asdict(setup),
+           "setup": dataclasses.asdict(setup), "setup_micro": dataclasses.asdict(setup_micro),
            "corun_cpu_slowdown": corun, "elapsed_s": elapsed,
            "link": {"bandwidth_Bps": link.bandwidth_Bps, "latency_s": link.latency_s, **link_raw,
                     "foreign_cores": link_foreign},
