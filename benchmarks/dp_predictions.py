@@ -2,6 +2,7 @@
 cgdp within 15%).
 
     flock /tmp/pipetrain-bench.lock python benchmarks/dp_predictions.py [--models a,b] [--reps 2] [--json F]
+    python benchmarks/dp_predictions.py --smoke    # lstm-lm, 8 updates, 1 run each: the script end to end
 
 For each zoo model, with the workers and batch of ``benchmarks/auto_pick.py``, pipetrain first does
 what ``strategy="auto"`` does on one machine (``pipetrain.bench.suite._choose``): it profiles one
@@ -39,20 +40,20 @@ WITHIN = 0.15
 """Issue 11, goal 2: pipe-sgd and cgdp predictions within 15% of measured."""
 
 
-def measure(model: str, name: str, options: dict[str, Any], workers: int, batch: int) -> float:
-    """Samples/s of one run of candidate ``name``: the median interval between its updates after
-    :data:`WARM` of them."""
+def measure(model: str, options: dict[str, Any], workers: int, batch: int, steps: int, warm: int) -> float:
+    """Samples/s of one run of a candidate with ``options``: the median interval between its updates
+    after ``warm`` of its ``steps``."""
     cfg = SuiteConfig(model=model, workers=workers, batch_size=batch, loopback=True)
     peer = cfg.peer()
-    data = peer.spec.dataset(batch * STEPS, seed=peer.seed)
+    data = peer.spec.dataset(batch * steps, seed=peer.seed)
     result = pipetrain.train(peer.build(), data, loss_fn=peer.spec.loss_fn,
                              optimizer=functools.partial(torch.optim.SGD, lr=peer.lr), workers=workers,
                              batch_size=batch, epochs=1, threads=1, shuffle=False, progress=False, **options)
     times = [h["time"] for h in result.history]
-    return batch / statistics.median(b - a for a, b in zip(times[WARM:], times[WARM + 1:]))
+    return batch / statistics.median(b - a for a, b in zip(times[warm:], times[warm + 1:]))
 
 
-def run_model(model: str, reps: int, log: Any) -> dict[str, Any]:
+def run_model(model: str, reps: int, log: Any, steps: int = STEPS, warm: int = WARM) -> dict[str, Any]:
     """One model: auto's predictions, then ``reps`` rotating runs of every candidate."""
     workers, batch = MODELS[model]["workers"], MODELS[model]["batch_size"]
     cfg = SuiteConfig(model=model, workers=workers, batch_size=batch, loopback=True,
@@ -62,7 +63,7 @@ def run_model(model: str, reps: int, log: Any) -> dict[str, Any]:
     runs: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            runs[name].append(measure(model, name, dict(choice.options[name]), workers, batch))
+            runs[name].append(measure(model, dict(choice.options[name]), workers, batch, steps, warm))
             log(f"{model} {name} run {rep + 1}: {runs[name][-1]:.1f} samples/s")
     rows = {}
     for name in names:
@@ -78,9 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--reps", type=int, default=2, help="runs of every candidate, rotating order (median kept)")
     ap.add_argument("--json", default=None, help="also write every number here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="lstm-lm only, 8 updates and 1 run each: checks the script in a minute; its numbers mean nothing")
     args = ap.parse_args(argv)
     log = functools.partial(print, file=sys.stderr, flush=True)
-    out = {m: run_model(m, args.reps, log) for m in args.models.split(",")}
+    if args.smoke:
+        out = {"lstm-lm": run_model("lstm-lm", 1, log, steps=8, warm=2)}
+    else:
+        out = {m: run_model(m, args.reps, log) for m in args.models.split(",")}
     print("| model (workers, batch) | " + " | ".join(STRATEGIES) + " |")
     print("|---|" + "---|" * len(STRATEGIES))
     for model, case in out.items():

@@ -1,4 +1,5 @@
-"""The scripts in benchmarks/ run: sim_vs_real end to end on a tiny model, time_to_accuracy's arguments.
+"""The scripts in benchmarks/ run: sim_vs_real and dp_predictions end to end on small runs,
+time_to_accuracy's arguments.
 
 Their numbers are not checked (a tiny model on a shared machine says nothing); that they come out is.
 """
@@ -33,6 +34,18 @@ def test_sim_vs_real_smoke_predicts_and_measures_every_schedule(tmp_path: Path) 
         assert len(r["budget_real"]) == len(r["budget_sim"]) == len(r["budget_replay"]) == 2
     assert set(report["replay_ms"]) == set(rows) and all(len(v) == 2 for v in report["replay_ms"].values())
     assert all(Path(p).stat().st_size > 0 for p in report["pngs"])
+
+
+def test_dp_predictions_smoke_predicts_and_measures_every_data_parallel_candidate(tmp_path: Path) -> None:
+    out = tmp_path / "dp.json"
+    done = run("dp_predictions.py", "--smoke", "--json", str(out), timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| model (workers, batch) | ddp | pipe-sgd |" in done.stdout
+    rows = json.loads(out.read_text())["lstm-lm"]["rows"]
+    assert set(rows) == {"ddp", "pipe-sgd", "pipe-sgd-trunc16", "pipe-sgd-quant8", "cgdp"}
+    for name, r in rows.items():
+        assert r["predicted"] > 0 and r["measured"] > 0 and len(r["runs"]) == 1, name
+    assert rows["cgdp"]["options"]["chunk"] >= 1
 
 
 def test_time_to_accuracy_parses_its_arguments() -> None:
