@@ -192,7 +192,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
     wall = [_ping_pong(transport, rank, n, rounds, device)[0] for n in MESSAGE_SIZES]
-    ring_latency, ring_per_byte = _ring_line(rank, _line(wall)[1] if rank == 0 else 0.0, device)
+    ring_latency, ring_per_byte = _ring_line(rank, _line(wall)[1] if rank == 0 else 0.0, device, rounds)
     allreduce_latency = _allreduce_latency(rank, rounds, device)
     dist.barrier()  # the other ranks compute until the ring ends: every worker of the job is busy
     stop.set()
@@ -236,10 +236,12 @@ RING_SECONDS = 0.1
 """About how long the large ring allreduce should take, judged from the ping-pong's seconds per byte."""
 
 
-def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int = 3) -> tuple[float, float]:
+def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
+               big_rounds: int = 3) -> tuple[float, float]:
     """(α, β) of :func:`pipetrain.strategies.ring.ring_allreduce` over every rank (all call it, each
-    while its compute thread runs): the median of ``rounds`` allreduces of a small and a large gradient,
-    and the ring model's line through the two. Large: as many bytes as the ping-pong's ``s_per_byte``
+    while its compute thread runs): the medians of ``rounds`` allreduces of a small gradient and
+    ``big_rounds`` of a large one (with 3 small ones α read 0.3-7.9 ms per step in six probes a few
+    seconds apart), and the ring model's line through the two. Large: as many bytes as the ping-pong's ``s_per_byte``
     (rank 0's) moves in :data:`RING_SECONDS`, within :data:`RING_BYTES`; a one-message line under-rates
     what a long transfer costs (on loopback gloo moved 1 MiB messages at 0.26 ns/B, a 108 MB ring at
     1.9 ns/B with the cores busy)."""
@@ -253,9 +255,9 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int =
     dist.broadcast_object_list(big, src=0)
     sizes = (RING_BYTES[0], big[0])
     times = []
-    for nbytes in sizes:
+    for nbytes, repeats in zip(sizes, (rounds, big_rounds)):
         blocks = torch.zeros(world, block_size(nbytes // 4, world, 1), device=device)
-        times.append(median_seconds(lambda: ring_allreduce(blocks, None, get_codec(None)), rounds,
+        times.append(median_seconds(lambda: ring_allreduce(blocks, None, get_codec(None)), repeats,
                                     sync=dist.barrier))
     hops, share = 2 * (world - 1), 2 * (world - 1) / world
     per_byte = max(0.0, times[1] - times[0]) / (share * (sizes[1] - sizes[0]))
