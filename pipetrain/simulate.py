@@ -486,11 +486,12 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         update_s = costs.contended_s(whole.update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
     payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
-    arithmetic = costs.contended_s(ring_compute_seconds(codec, elements, workers), slowdown)
+    arithmetic = costs.contended_s(ring_compute_seconds(codec, elements, workers), slowdown) \
+        if reduce_s is None or comm_cpu_s is None else 0.0
     if reduce_s is None:  # a measured ring's seconds per byte hold its plain adds already
-        plain = ring_compute_seconds(get_codec(None), elements, workers) \
-            if setup is not None and setup.ring_s_per_byte > 0 else 0.0
-        reduce_s = max(0.0, arithmetic - costs.contended_s(plain, slowdown))
+        plain = 0.0 if setup is None or setup.ring_s_per_byte == 0 else arithmetic if not codec.lossy else \
+            costs.contended_s(ring_compute_seconds(get_codec(None), elements, workers), slowdown)
+        reduce_s = max(0.0, arithmetic - plain)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
     latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
     comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) if workers > 1 else 0.0
@@ -526,14 +527,12 @@ def _ddp_waited_s(profile: Profile, workers: int, batch_size: int | None, slowdo
     (:func:`pipetrain.costs.overlapped_backward_s`)."""
     from pipetrain.strategies.ddp import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
-    [whole] = stage_costs(profile, [0], batch_size)
-    backward = costs.contended_s(whole.share(workers).backward_s, slowdown)
-    scale = backward / max(sum(x.backward_s for x in profile.layers), 1e-300)
+    mine = _shard_backward_s(profile, workers, batch_size, slowdown)
     bp: list[float] = []
     sizes: list[int] = []
     pending_s, pending_bytes = 0.0, 0
-    for layer in reversed(profile.layers):
-        pending_s += layer.backward_s * scale
+    for layer, seconds in zip(reversed(profile.layers), reversed(mine)):
+        pending_s += seconds
         pending_bytes += layer.parameter_bytes
         if pending_bytes >= (FIRST_BUCKET_BYTES if not sizes else BUCKET_BYTES):
             bp.append(pending_s)
@@ -544,7 +543,16 @@ def _ddp_waited_s(profile: Profile, workers: int, batch_size: int | None, slowdo
         sizes.append(pending_bytes)
         pending_s = 0.0
     allreduce = [float(costs.ring_allreduce_time(workers, n, latency_s, byte_s, 0.0)) for n in sizes]
-    return costs.overlapped_backward_s(bp, allreduce, pending_s) - backward
+    return costs.overlapped_backward_s(bp, allreduce, pending_s) - sum(mine)
+
+
+def _shard_backward_s(profile: Profile, workers: int, batch_size: int | None, slowdown: float) -> list[float]:
+    """Each layer's backward on one of ``workers`` data-parallel workers' shard of the minibatch, as long
+    as it takes beside the machine's other workers (``slowdown``)."""
+    [whole] = stage_costs(profile, [0], batch_size)
+    scale = costs.contended_s(whole.share(workers).backward_s, slowdown) / \
+        max(sum(x.backward_s for x in profile.layers), 1e-300)
+    return [x.backward_s * scale for x in profile.layers]
 
 
 @dataclass
@@ -624,17 +632,15 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
         update_s = costs.contended_s(whole.update_s, slowdown)
     if cores_per_worker is None:
         cores_per_worker = math.inf if profile.setup is None else profile.setup.cores_per_worker
-    # profile -> one worker's shard, as long as it takes beside the machine's other workers
-    scale = costs.contended_s(mine.backward_s, slowdown) / max(sum(x.backward_s for x in profile.layers), 1e-300)
+    shard = _shard_backward_s(profile, workers, batch_size, slowdown)
     units: list[tuple[list[int], float, int]] = []  # (profile layers, backward seconds, parameter bytes)
     pending: list[int] = []
     for i in reversed(range(len(profile))):
         pending.append(i)
         if profile.layers[i].parameter_bytes:
-            units.append((pending, sum(profile.layers[j].backward_s for j in pending) * scale,
-                          profile.layers[i].parameter_bytes))
+            units.append((pending, sum(shard[j] for j in pending), profile.layers[i].parameter_bytes))
             pending = []
-    tail_s = sum(profile.layers[j].backward_s for j in pending) * scale
+    tail_s = sum(shard[j] for j in pending)
     rows = []
     for ids in chunk_layout(len(units), chunk):
         nbytes = sum(units[i][2] for i in ids)
