@@ -18,8 +18,8 @@ from pipetrain.layers import LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
 from pipetrain.planning.choose import Choice, choose_strategy, predict_plan
 from pipetrain.planning.units import parse_bandwidth
-from pipetrain.profiling import Profile, profile_model
-from pipetrain.registry import STRATEGIES, lookup
+from pipetrain.profiling import Profile, as_minibatch, profile_model
+from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
@@ -214,7 +214,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     if not cfg.data_parallel:
         layers = LayeredModel(model, cfg.example)
         chosen, predicted = _resolve_plan(stages, workers, len(layers), model, dataset, loss_fn, optimizer,
-                                          batch_size, bandwidth, schedule, _threads(threads, workers or 1), timeout)
+                                          batch_size, bandwidth, schedule, microbatches, _threads(threads, workers or 1),
+                                          timeout)
         cfg = JobConfig(**{**settings, "boundaries": chosen.boundaries if chosen else _boundaries(stages, layers),
                            "replicas": chosen.replicas if chosen else None})
     cfg.threads = _threads(threads, cfg.world)
@@ -376,8 +377,8 @@ def _threads(threads: int | None, workers: int) -> int:
 
 def _resolve_plan(stages: Any, workers: int | None, num_layers: int, model: nn.Module, dataset: Dataset,
                   loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Callable[..., torch.optim.Optimizer],
-                  batch_size: int, bandwidth: float | str | None, schedule: str | None, threads: int,
-                  timeout: float) -> tuple[Plan | None, float | None]:
+                  batch_size: int, bandwidth: float | str | None, schedule: str | None, microbatches: int,
+                  threads: int, timeout: float) -> tuple[Plan | None, float | None]:
     """The plan ``stages`` names (a Plan, a JSON path or "auto"), checked against the model, and its
     predicted samples/s; (None, None) for a plain list of boundaries."""
     if isinstance(stages, Plan):
@@ -386,7 +387,8 @@ def _resolve_plan(stages: Any, workers: int | None, num_layers: int, model: nn.M
         if workers is None:
             raise ValueError("stages='auto' needs workers=N (CLI: --workers N), the number of workers to plan for")
         found = _on_rank0(lambda: _plan_here(model, dataset, loss_fn, optimizer, batch_size, workers,
-                                             bandwidth or DEFAULT_BANDWIDTH, schedule, threads), timeout)
+                                             bandwidth or DEFAULT_BANDWIDTH, schedule or DEFAULT_SCHEDULE,
+                                             microbatches, threads), timeout)
         return Plan.from_dict(found["plan"]), found["predicted"]
     elif isinstance(stages, (str, os.PathLike)):
         chosen, source = Plan.load(stages), str(stages)
@@ -435,14 +437,18 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
 
 def _plan_here(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
                optimizer: Callable[..., torch.optim.Optimizer], batch_size: int, workers: int,
-               bandwidth: float | str, schedule: str | None, threads: int) -> dict[str, Any]:
-    """Profile, plan for ``bandwidth``, and predict this run's samples/s: the plan's schedule simulated
-    on the links this run has (the measured transport locally, ``bandwidth`` under torchrun)."""
+               bandwidth: float | str, schedule: str, microbatches: int, threads: int) -> dict[str, Any]:
+    """Profile, plan for ``bandwidth`` (straight, for a schedule that cannot replicate a stage), and
+    predict this run's samples/s: the plan's schedule simulated on the links this run has (the measured
+    transport locally, ``bandwidth`` under torchrun), from a profile and set-up taken at the microbatch
+    for a microbatched schedule (:func:`pipetrain.profiling.as_minibatch`)."""
     measured = _measured_profile(model, dataset, loss_fn, optimizer, batch_size, workers, threads)
-    chosen = plan(measured, workers, bandwidth)
+    chosen = plan(measured, workers, bandwidth, straight=not SCHEDULES[schedule].replicable)
     link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
+    at = measured if microbatches == 1 else as_minibatch(
+        _measured_profile(model, dataset, loss_fn, optimizer, batch_size // microbatches, workers, threads), microbatches)
     return {"plan": chosen.to_dict(),
-            "predicted": predict_plan(measured, chosen, link, batch_size, schedule or "pipedream") or None}
+            "predicted": predict_plan(at, chosen, link, batch_size, schedule, microbatches=microbatches) or None}
 
 
 def _gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], str],

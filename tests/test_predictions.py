@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import pipetrain
-from pipetrain.planning import plan
-from pipetrain.planning.choose import choose_strategy
-from pipetrain.profiling import LayerProfile, Profile, _field, profile_model
+from pipetrain.planning import Plan, StagePlan, plan
+from pipetrain.planning.choose import choose_strategy, predict_plan
+from pipetrain.profiling import LayerProfile, Profile, _field, as_minibatch, profile_model
 from pipetrain.registry import build_schedule
 from pipetrain.runsetup import Setup, measure_setup
 from pipetrain.simulate import Link, predict_data_parallel, simulate
@@ -99,6 +99,29 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
+
+
+def test_a_gpipe_plan_is_predicted_at_its_microbatches():
+    """Two stages of 1 ms forward and 2 ms backward per minibatch, free links, no optimizer time: GPipe
+    with m microbatches takes (m + S - 1)(f + b)/m per minibatch, 5 x 0.75 = 3.75 ms at m = 4 (6 ms at
+    m = 1: one minibatch at a time)."""
+    layers = [LayerProfile(str(i), 0.5 * MS, 1 * MS, 0, 0) for i in range(4)]
+    profile = Profile(layers, batch_size=8, device="test")
+    straight = Plan([StagePlan(0, 1, 1), StagePlan(2, 3, 1)], noam=1, stage_time_s=3 * MS, speedup_vs_one=2,
+                    speedup_vs_dp=1)
+    assert predict_plan(profile, straight, Link(), 8, "gpipe", microbatches=4) == pytest.approx(8 / (3.75 * MS))
+    assert predict_plan(profile, straight, Link(), 8, "gpipe") == pytest.approx(8 / (6 * MS))
+
+
+def test_a_microbatch_profile_stands_for_the_minibatch_its_microbatches_make():
+    micro = Profile([LayerProfile("a", 1 * MS, 2 * MS, 100, 40, optimizer_s=0.5 * MS)], batch_size=16,
+                    device="test", input_bytes=64, setup=setup())
+    whole = as_minibatch(micro, 4)
+    assert (whole.batch_size, whole.input_bytes, whole.setup) == (64, 256, micro.setup)
+    layer = whole.layers[0]
+    assert (layer.forward_s, layer.backward_s, layer.activation_bytes) == pytest.approx((4 * MS, 8 * MS, 400))
+    assert (layer.parameter_bytes, layer.optimizer_s) == (40, 0.5 * MS)  # one optimizer step per minibatch
+    assert whole.meta == {"measured_at_batch": 16, "microbatches": 4}
 
 
 def test_the_planner_counts_the_optimizer_step():

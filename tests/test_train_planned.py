@@ -31,6 +31,14 @@ def test_auto_profiles_plans_and_runs():
     assert len(result.history) == 8 // lcm * lcm and result.samples_per_s > 0
 
 
+def test_auto_plans_a_straight_pipeline_for_a_schedule_that_cannot_replicate():
+    # gpipe runs one worker per stage: the planner must not replicate a stage for it (it did, and the
+    # prediction stopped the run with "runs straight pipelines only")
+    result = pipetrain.train(mlp(), data(), stages="auto", workers=2, schedule="gpipe", microbatches=2, **ARGS)
+    assert result.plan.replicas == [1, 1] and result.predicted_samples_per_s > 0
+    assert result.samples_per_s > 0
+
+
 def test_saved_plan_runs_with_replicas(tmp_path):
     path = tmp_path / "plan.json"
     Plan([StagePlan(0, 3, 2), StagePlan(4, 6, 1)], noam=2, stage_time_s=0.01, speedup_vs_one=1.5,

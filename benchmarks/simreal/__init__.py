@@ -11,7 +11,7 @@ prediction would be wrong by construction, and the script does not try.)
    count of every worker; at the minibatch size and at the microbatch size. CPU layer times are not
    linear in the batch while the simulator divides a stage's minibatch time by the microbatch count,
    so microbatched schedules get the microbatch profile scaled up by exactly that count
-   (:func:`simreal.predict.as_microbatched`). The optimizer step (SGD + ``zero_grad``) is timed per
+   (:func:`pipetrain.profiling.as_minibatch`). The optimizer step (SGD + ``zero_grad``) is timed per
    stage and passed as ``update_s``. The stage cut is the one that balances the profile.
 2. Link (:mod:`simreal.link`): a ping-pong through the runtime's own ``Transport`` (gloo on loopback)
    between two otherwise idle processes; one way = round trip / 2; latency = a 4 KB message's one-way

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from pipetrain.bench.load import LoadSampler, quietly
+from pipetrain.profiling import as_minibatch
 from pipetrain.registry import build_schedule
 
 from simreal import diagnose, predict, report
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prof.setup, prof_micro.setup = setup, setup_micro
     print(f"run set-up: {setup.describe()}\nat the microbatch ({cfg.batch // cfg.micro}): {setup_micro.describe()}")
     stage_layers = [(a, b - 1) for a, b in zip(boundaries, [*boundaries[1:], len(prof)])]
-    by_m = {1: prof, cfg.micro: predict.as_microbatched(prof_micro, cfg.micro, cfg.batch)}
+    by_m = {1: prof, cfg.micro: as_minibatch(prof_micro, cfg.micro)}
     corun = {b: diagnose.corun_slowdown(cfg, model, stage_layers, b) for b in (cfg.batch, cfg.batch // cfg.micro)}
     print(f"stages {boundaries} (layers {stage_layers} of {len(prof)}), the cut that balances the profile; "
           f"other processes used {prof_foreign:.2f} cores while profiling")

@@ -23,7 +23,7 @@ import itertools
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -78,20 +78,6 @@ def measured_setup(model: nn.Module, data: TensorDataset, batch: int, workers: i
     return measure_setup(workers, 1, model_step(model, (x, y), F.cross_entropy))
 
 
-def as_microbatched(micro: Profile, m: int, batch: int) -> Profile:
-    """A profile the simulator divides by ``m`` back to ``micro``'s measured microbatch times.
-
-    The simulator times a microbatch as (stage's minibatch time) / m; per-layer CPU times are not
-    linear in the batch (a 64-row matmul costs ~25% more per row than a 256-row one), so instead of
-    scaling the minibatch profile down, scale the microbatch profile up by exactly m (times and bytes)
-    and call it a minibatch profile.
-    """
-    layers = [replace(l, forward_s=l.forward_s * m, backward_s=l.backward_s * m,
-                      activation_bytes=l.activation_bytes * m) for l in micro.layers]
-    return Profile(layers, batch, micro.device, micro.model, micro.input_bytes * m,
-                   {**micro.meta, "measured_at_batch": micro.batch_size, "scaled_by": m}, setup=micro.setup)
-
-
 def balanced_cut(profile: Profile, stages: int = 2) -> list[int]:
     """Boundaries minimising the slowest stage's forward+backward (exhaustive; fine for 2-4 stages)."""
     n = len(profile)
@@ -128,7 +114,7 @@ def time_update(model: nn.Sequential, boundaries: list[int], repeats: int) -> li
 
 def from_layer_profile(cfg: Config, schedule: str, m: int, profiles: dict[int, Profile],
                        boundaries: list[int]) -> Prediction:
-    """(A): ``profiles[m]`` (:func:`as_microbatched` for m > 1) with its set-up: the links are the measured
+    """(A): ``profiles[m]`` (:func:`pipetrain.profiling.as_minibatch` for m > 1) with its set-up: the links are the measured
     transport's, the optimizer steps the profile's."""
     return predict(cfg, schedule, m, profiles[m], boundaries, Link(), None)
 
@@ -137,7 +123,7 @@ def from_layer_profile(cfg: Config, schedule: str, m: int, profiles: dict[int, P
 def _stage_profile(forward_backward: list[tuple[float, float]], m: int, cut_bytes: int, batch: int,
                    what: str) -> Profile:
     """One layer per stage from each stage's seconds per (micro)batch, scaled by ``m`` as
-    :func:`as_microbatched` does; the cut carries ``cut_bytes`` per minibatch."""
+    :func:`pipetrain.profiling.as_minibatch` does; the cut carries ``cut_bytes`` per minibatch."""
     n = len(forward_backward)
     layers = [LayerProfile(f"stage {s}", f * m, b * m, cut_bytes if s < n - 1 else 0, 0)
               for s, (f, b) in enumerate(forward_backward)]

@@ -168,12 +168,12 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
 
 
 def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int, schedule: str = "pipedream",
-                 minibatches: int = 32) -> float:
-    """Samples/s of ``chosen`` run by ``schedule`` over ``link``, simulated for about ``minibatches``
-    (rounded up so every replica joins every sync)."""
+                 minibatches: int = 32, microbatches: int = 1) -> float:
+    """Samples/s of ``chosen`` run by ``schedule`` (with ``microbatches`` per minibatch) over ``link``,
+    simulated for about ``minibatches`` (rounded up so every replica joins every sync)."""
     every = math.lcm(*chosen.replicas)
-    sim = simulate(build_schedule(schedule, chosen.replicas, -(-minibatches // every) * every), profile,
-                   chosen.boundaries, link, batch_size)
+    sim = simulate(build_schedule(schedule, chosen.replicas, -(-minibatches // every) * every, microbatches),
+                   profile, chosen.boundaries, link, batch_size)
     return sim.samples_per_s or 0.0
 
 
