@@ -30,7 +30,9 @@ message latency more, and the slower of the link's and the measured seconds per 
 a receive take the CPU a message end costs from a worker with under 2 cores; a replicated stage's
 sync is a ring allreduce with the measured allreduce's latency per step and the ring's seconds per
 byte (the slower of it and the link's), once per bucket of its gradient (:func:`pipetrain.strategies.allreduce.buckets`:
-the runtime's replicas allreduce in buckets).
+the runtime's replicas allreduce in buckets), and its ``A``, which starts the last bucket's allreduce,
+takes the CPU of a message end of that bucket's bytes, as a send does (0.5-1.3 ms per ``A`` on the
+demo's replicated stages, 4 workers sharing 2 cores, priced at nothing before).
 
 Each link has a single sender, which issues transfers in program order, and every other time is a
 max over already known times, so event times do not depend on the order in which workers are
@@ -52,7 +54,7 @@ from pipetrain.profiling import Profile
 from pipetrain.runsetup import Setup
 from pipetrain.registry import SCHEDULES, STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
-from pipetrain.strategies.allreduce import buckets
+from pipetrain.strategies.allreduce import BUCKET_BYTES, buckets
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
 )
@@ -227,6 +229,9 @@ class _Sim:
             costs.ring_allreduce_time(r, c.parameter_bytes, ring_latency_s, ring_byte_s, 0.0,
                                       segments=buckets(c.parameter_bytes))
             for c, r in zip(stages, schedule.replicas)]
+        self.start_sync_s = [0.0 if r == 1 else
+                             self._cpu_s(c.parameter_bytes - (buckets(c.parameter_bytes) - 1) * BUCKET_BYTES)
+                             for c, r in zip(stages, schedule.replicas)]
         # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
         self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and
                        s < len(stages) - 1 else 0.0 for s, c in enumerate(stages)]
@@ -286,10 +291,10 @@ class _Sim:
         if a.kind == START_SYNC:
             k = self.starts[w]
             started = self.sync_started[(s, k)]
-            started[w] = start
+            started[w] = start + self.start_sync_s[s]
             if len(started) == self.sched.replicas[s]:  # the last worker in starts it
                 self.sync_end[(s, k)] = max(max(started.values()), self.sync_end.get((s, k - 1), 0.0)) + self.sync_s[s]
-            return start
+            return started[w]
         if a.kind == SYNC:
             end = self.sync_end.get((s, self.waits[w]))
             return None if end is None else max(start, end)

@@ -67,6 +67,16 @@ def test_gradient_allreduces_are_priced_with_the_measured_allreduces_not_the_mes
     assert without.comm_s == pytest.approx(2 * 1 * MS + 800 * 1e-6)
 
 
+def test_starting_a_replicated_stages_allreduce_costs_a_message_ends_cpu():
+    """The same stage on 2 workers that share one core: its A, which starts the allreduce of the last
+    (here the only) bucket, takes a message end's CPU of those 800 bytes (0.2 ms), and the allreduce
+    (2 x 0.5 ms + 800 B x 2 us/B) runs after it."""
+    measured = setup(slowdown=1.0, allreduce_latency_s=0.5 * MS, ring_s_per_byte=2e-6)
+    times = {a: (s, e) for a, s, e in simulate(build_schedule("pipedream", [2], 4), two_layers(measured), [0]).trace[0]}
+    assert times["A0"][1] - times["A0"][0] == pytest.approx(0.2 * MS)
+    assert times["S0"][1] - times["A0"][1] == pytest.approx(2 * 0.5 * MS + 800 * 2e-6)
+
+
 def test_ddp_waits_only_for_the_allreduces_its_backward_did_not_hide():
     """Two layers of 2 MiB of weights, 20 ms of backward each on the whole batch (10 ms on each of 2
     workers' halves). DDP's first bucket (1 MiB cap) is the last layer's gradient, ready at 10 ms; the
