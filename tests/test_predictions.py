@@ -123,6 +123,19 @@ def test_a_gpipe_plan_is_predicted_at_its_microbatches():
     assert predict_plan(profile, straight, Link(), 8, "gpipe") == pytest.approx(8 / (6 * MS))
 
 
+def test_an_epochs_prediction_counts_filling_and_draining_the_pipeline():
+    """pipedream, two stages of 1 ms forward and 2 ms backward, free links, no optimizer time: steady, a
+    minibatch every 3 ms. An epoch of one minibatch takes 1 + 1 + 2 + 2 = 6 ms; of two, stage 0 runs F0
+    F1 at 0-2, stage 1 F0 B0 F1 B1 at 1-2, 2-4, 4-5, 5-7, stage 0 B0 B1 at 4-6, 7-9: 9 ms."""
+    layers = [LayerProfile(str(i), 0.5 * MS, 1 * MS, 0, 0) for i in range(4)]
+    profile = Profile(layers, batch_size=8, device="test")
+    straight = Plan([StagePlan(0, 1, 1), StagePlan(2, 3, 1)], noam=2, stage_time_s=3 * MS, speedup_vs_one=2,
+                    speedup_vs_dp=1)
+    assert predict_plan(profile, straight, Link(), 8) == pytest.approx(8 / (3 * MS))
+    assert predict_plan(profile, straight, Link(), 8, minibatches=1, epoch=True) == pytest.approx(8 / (6 * MS))
+    assert predict_plan(profile, straight, Link(), 8, minibatches=2, epoch=True) == pytest.approx(16 / (9 * MS))
+
+
 def test_a_microbatch_profile_stands_for_the_minibatch_its_microbatches_make():
     micro = Profile([LayerProfile("a", 1 * MS, 2 * MS, 100, 40, optimizer_s=0.5 * MS)], batch_size=16,
                     device="test", input_bytes=64, setup=setup())

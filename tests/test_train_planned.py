@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pipetrain
+from pipetrain.api import training_rate
 from pipetrain.data import regression
 from pipetrain.planning import Plan, StagePlan
 from pt_models import mlp
@@ -46,6 +47,30 @@ def test_saved_plan_runs_with_replicas(tmp_path):
     result = pipetrain.train(mlp(), data(), stages=str(path), **ARGS)
     assert result.plan.config == "2-1"
     assert result.predicted_samples_per_s == pytest.approx(8 / 0.01)
+
+
+def test_the_progress_bar_counts_every_minibatch_when_the_output_stage_is_replicated(tmp_path):
+    # the bar's worker is one of the output stage's 2 replicas and records 1 update in 2: the bar ended
+    # at 50% (the demo's 4 replicas: 110/440)
+    path = tmp_path / "plan.json"
+    Plan([StagePlan(0, 3, 1), StagePlan(4, 6, 2)], noam=2, stage_time_s=0.01, speedup_vs_one=1.5,
+         speedup_vs_dp=1.1).save(path)
+    r = subprocess.run([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
+                        "examples.mlp_job:data", "--plan", str(path), "--loss", "mse_loss", "--batch-size", "16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| 32/32 [" in r.stderr  # 512 items in minibatches of 16
+
+
+def test_samples_per_s_counts_the_epochs_not_the_pauses_between_them():
+    """Two replicas record 2 updates of 10 samples each per epoch; epoch 0 trains from t = 0 to 4 s and
+    epoch 1, after a 6 s evaluation, from 10 to 13 s: 80 samples in 7 s of training."""
+    def update(epoch, t, interval):
+        return {"epoch": epoch, "time": t, "samples": 10, "samples_per_s": 10 / interval}
+    records = [update(0, 1, 1), update(0, 2, 2), update(0, 3, 2), update(0, 4, 2),
+               update(1, 11, 1), update(1, 12, 1.5), update(1, 12.5, 1.5), update(1, 13, 1)]
+    assert training_rate(records) == pytest.approx(80 / 7)
+    assert training_rate([]) == 0.0
 
 
 def test_plan_for_another_model_or_more_workers_is_refused(tmp_path):

@@ -168,12 +168,17 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
 
 
 def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int, schedule: str = "pipedream",
-                 minibatches: int = 32, microbatches: int = 1) -> float:
+                 minibatches: int = 32, microbatches: int = 1, epoch: bool = False) -> float:
     """Samples/s of ``chosen`` run by ``schedule`` (with ``microbatches`` per minibatch) over ``link``,
-    simulated for about ``minibatches`` (rounded up so every replica joins every sync)."""
+    simulated for about ``minibatches`` (rounded up so every replica joins every sync): the steady rate,
+    or with ``epoch`` the rate of an epoch of them as it runs, the pipeline filled at its start and
+    drained at its end (samples over the simulated makespan; the runtime runs each epoch so)."""
     every = math.lcm(*chosen.replicas)
-    sim = simulate(build_schedule(schedule, chosen.replicas, -(-minibatches // every) * every, microbatches),
-                   profile, chosen.boundaries, link, batch_size)
+    count = -(-minibatches // every) * every
+    sim = simulate(build_schedule(schedule, chosen.replicas, count, microbatches), profile, chosen.boundaries,
+                   link, batch_size)
+    if epoch:
+        return count * batch_size / sim.makespan_s if sim.makespan_s > 0 else 0.0
     return sim.samples_per_s or 0.0
 
 

@@ -457,7 +457,10 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
     n_items = len(cfg.dataset)  # type: ignore[arg-type]
     k = per_epoch(n_items, cfg.batch_size, cfg.rounds)
     bar = _progress(cfg, rank, (cfg.epochs - start) * k)
-    on_step = (lambda rec: bar.update(1) or bar.set_postfix(loss=f"{rec.loss:.4f}")) if bar else None
+    # the bar's rank records its own minibatches: every one (data parallel), or 1 in r (one of the r
+    # replicas of the output stage; the bar ended at 25% on 4 replicas)
+    per_record = 1 if cfg.data_parallel else cfg.replicas[-1]
+    on_step = (lambda rec: bar.update(per_record) or bar.set_postfix(loss=f"{rec.loss:.4f}")) if bar else None
     for epoch in range(start, cfg.epochs):
         batches = epoch_order(n_items, cfg.batch_size, epoch, cfg.shuffle, cfg.seed, cfg.rounds)
         try:
