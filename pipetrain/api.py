@@ -446,7 +446,8 @@ def _plan_here(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any],
     (the measured transport locally, ``bandwidth`` under torchrun), from a profile and set-up taken at the
     microbatch for a microbatched schedule (:func:`pipetrain.profiling.as_minibatch`). An epoch, filled
     and drained, as ``samples_per_s`` measures it (:func:`training_rate`): the demo's epochs are 44
-    minibatches, and its plans filled their pipeline in 30-40 ms of each 300-400 ms epoch."""
+    minibatches of 280-360 ms, and 23-30 ms passed between one's last update and the next one's first
+    (no evaluation)."""
     measured = _measured_profile(model, dataset, loss_fn, optimizer, batch_size, workers, threads)
     chosen = plan(measured, workers, bandwidth, straight=not SCHEDULES[schedule].replicable)
     link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
@@ -462,7 +463,8 @@ def training_rate(records: list[dict[str, Any]]) -> float:
     ``TrainResult.history`` holds them): each epoch from its start (its first update's time less that
     update's own interval) to its last update. The time between epochs, spent evaluating, saving
     checkpoints and gathering losses, is left out: with an evaluation after each of its 10 short epochs,
-    the demo trained 15-20% faster than its first-to-last-update span said. 0 without records."""
+    the demo's plan 2-1-1 trained at 3575 samples/s, where its first-to-last-update span said 3227
+    (plan 4: 4444 and 4340). 0 without records."""
     start: dict[int, float] = {}
     end: dict[int, float] = {}
     for h in records:
