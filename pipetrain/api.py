@@ -24,6 +24,7 @@ from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
+from pipetrain.runtime.worker import per_epoch
 from pipetrain.runsetup import measure_setup, model_step
 from pipetrain.simulate import Link
 
@@ -453,9 +454,9 @@ def _plan_here(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any],
     link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
     at = measured if microbatches == 1 else as_minibatch(
         _measured_profile(model, dataset, loss_fn, optimizer, batch_size // microbatches, workers, threads), microbatches)
-    per_epoch = len(dataset) // batch_size // math.lcm(*chosen.replicas) * math.lcm(*chosen.replicas)  # type: ignore[arg-type]
+    minibatches = per_epoch(len(dataset), batch_size, math.lcm(*chosen.replicas))  # type: ignore[arg-type]
     return {"plan": chosen.to_dict(), "predicted": predict_plan(
-        at, chosen, link, batch_size, schedule, max(per_epoch, 1), microbatches=microbatches, epoch=True) or None}
+        at, chosen, link, batch_size, schedule, max(minibatches, 1), microbatches=microbatches, epoch=True) or None}
 
 
 def training_rate(records: list[dict[str, Any]]) -> float:

@@ -191,8 +191,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     stop = threading.Event()
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
-    wall = _ping_pong(transport, rank, rounds, device)[0]
-    ring_latency, ring_per_byte = _ring_line(rank, _line(wall)[1] if rank == 0 else 0.0, device, rounds)
+    latency, per_byte = _line(_ping_pong(transport, rank, rounds, device)[0])
+    ring_latency, ring_per_byte = _ring_line(rank, per_byte, device, rounds)  # rank 0's per_byte sizes it
     allreduce_latency = _allreduce_latency(rank, rounds, device)
     dist.barrier()  # the other ranks compute until the ring ends: every worker of the job is busy
     stop.set()
@@ -200,7 +200,6 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     dist.barrier()
     if rank != 0:
         return {}
-    latency, per_byte = _line(wall)
     cpu_s, cpu_per_byte = _line(cpu)
     return dict(backend=dist.get_backend(), workers=workers, threads=threads, cores=os.cpu_count() or 1,
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,

@@ -54,7 +54,7 @@ from pipetrain.profiling import Profile
 from pipetrain.runsetup import Setup
 from pipetrain.registry import SCHEDULES, STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
-from pipetrain.strategies.allreduce import BUCKET_BYTES, buckets
+from pipetrain.strategies.allreduce import buckets, last_bucket_bytes
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
 )
@@ -229,8 +229,7 @@ class _Sim:
             costs.ring_allreduce_time(r, c.parameter_bytes, ring_latency_s, ring_byte_s, 0.0,
                                       segments=buckets(c.parameter_bytes))
             for c, r in zip(stages, schedule.replicas)]
-        self.start_sync_s = [0.0 if r == 1 else
-                             self._cpu_s(c.parameter_bytes - (buckets(c.parameter_bytes) - 1) * BUCKET_BYTES)
+        self.start_sync_s = [0.0 if r == 1 else self._cpu_s(last_bucket_bytes(c.parameter_bytes))
                              for c, r in zip(stages, schedule.replicas)]
         # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
         self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and

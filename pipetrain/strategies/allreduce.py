@@ -37,6 +37,11 @@ def buckets(nbytes: float) -> int:
     return max(1, math.ceil(nbytes / BUCKET_BYTES))
 
 
+def last_bucket_bytes(nbytes: float) -> float:
+    """Bytes of the last of the :func:`buckets` of ``nbytes``: the one ``A`` starts after the backward."""
+    return nbytes - (buckets(nbytes) - 1) * BUCKET_BYTES
+
+
 class ReplicaAllreduce(GradSync):
     """Averages gradients across one stage's replicas through the stage's own process group.
 
