@@ -198,7 +198,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     result = pipetrain.train(
         model, train_set, loss_fn=torch.nn.functional.cross_entropy,
-        optimizer=functools.partial(torch.optim.SGD, lr=0.1), stages="auto", workers=4,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.5), stages="auto", workers=4,
         bandwidth=args.bandwidth, schedule="pipedream", batch_size=32, epochs=args.epochs, seed=0,
         progress=True, eval_dataset=test_set, metrics={"accuracy": pipetrain.accuracy})
     evaluations = [h["eval"] for h in result.history if h.get("eval")]
