@@ -50,6 +50,9 @@ class Setup:
             and CGDP's signals use): a 1-element ``all_reduce`` among all the workers while they
             compute, from the last rank's call, over its 2(p-1) steps (:func:`_allreduce_latency`); 0
             when not measured.
+        jitter_s: how much a worker's compute time varies with all ``workers`` computing at once, as a
+            variance per second of compute: work of d seconds takes d ± sqrt(``jitter_s`` d) (one
+            standard deviation; :func:`_jitter`); 0 when not measured.
     """
 
     backend: str
@@ -65,6 +68,7 @@ class Setup:
     ring_latency_s: float = 0.0
     ring_s_per_byte: float = 0.0
     allreduce_latency_s: float = 0.0
+    jitter_s: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
@@ -106,7 +110,8 @@ class Setup:
                 f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us + "
                 f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
                 f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B, "
-                f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step")
+                f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step, 10 ms of compute "
+                f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms")
 
 
 Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
@@ -122,7 +127,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     emulated cluster's puts each on its own host). Compute, ``compute_rounds`` times: rank 0 runs
     ``kernel`` (default: a float32 matmul; pass one training step of the model for a faithful
     figure) alone for ``seconds``, then every rank runs it at once; ``slowdown`` is the median over
-    the rounds of the ranks' mean time per call over rank 0's alone. Messages: ranks 0 and 1 play
+    the rounds of the ranks' mean time per call over rank 0's alone, and ``jitter_s`` the median of
+    how much those calls varied (:func:`_jitter`). Messages: ranks 0 and 1 play
     ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
     half a round trip: first with nothing else running in the two processes, for the CPU time per
     message end; then while a thread of every rank runs ``kernel``, as the compute threads of a running
@@ -153,14 +159,26 @@ def _matmul(n: int) -> None:
     (a @ a).sum().item()
 
 
-def _run_for(kernel: Callable[[], Any], seconds: float, stop: threading.Event | None = None) -> float:
-    """Mean seconds per call of ``kernel`` over ``seconds``, or until ``stop`` is set if given."""
+def _run_for(kernel: Callable[[], Any], seconds: float, stop: threading.Event | None = None) -> list[float]:
+    """Seconds of each call of ``kernel`` (after one untimed) over ``seconds``, or until ``stop`` is set
+    if given; at least one call."""
     kernel()
-    calls, t0 = 0, time.perf_counter()
-    while not (stop.is_set() if stop is not None else time.perf_counter() - t0 >= seconds):
+    calls: list[float] = []
+    t0 = time.perf_counter()
+    while not calls or not (stop.is_set() if stop is not None else time.perf_counter() - t0 >= seconds):
+        start = time.perf_counter()
         kernel()
-        calls += 1
-    return (time.perf_counter() - t0) / max(calls, 1)
+        calls.append(time.perf_counter() - start)
+    return calls
+
+
+def _jitter(calls: list[list[float]]) -> float:
+    """:attr:`Setup.jitter_s` from every worker's call times in one round: the variance of all the calls
+    about their common mean (a worker slower throughout counts, as it holds back the others at every
+    sync), over that mean (the variance of work of d seconds grows as d when it is interrupted at random
+    moments, as time slices are)."""
+    pooled = [t for ts in calls for t in ts]
+    return statistics.pvariance(pooled) / statistics.mean(pooled) if len(pooled) > 1 else 0.0
 
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
@@ -174,15 +192,16 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     torch.set_num_threads(threads)
     device = init_distributed(timeout)
     rank = dist.get_rank()
-    ratios = []
+    ratios, jitters = [], []
     for _ in range(compute_rounds):
         dist.barrier()
-        alone = _run_for(kernel, seconds) if rank == 0 else 0.0
+        alone = statistics.mean(_run_for(kernel, seconds)) if rank == 0 else 0.0
         dist.barrier()
-        together = _run_for(kernel, seconds) if rank < workers else 0.0
+        together = _run_for(kernel, seconds) if rank < workers else []
         times: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(times, together)
-        ratios.append(statistics.mean(times[:workers]) / alone if rank == 0 else 1.0)
+        ratios.append(statistics.mean(statistics.mean(t) for t in times[:workers]) / alone if rank == 0 else 1.0)
+        jitters.append(_jitter(times[:workers]))
     slowdown = statistics.median(ratios) if workers > 1 else 1.0
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
     # CPU per message with nothing else running in the two processes; then the time per message while
@@ -204,7 +223,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     return dict(backend=dist.get_backend(), workers=workers, threads=threads, cores=os.cpu_count() or 1,
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
                 message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_copy_s_per_byte(device),
-                ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency)
+                ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
+                jitter_s=statistics.median(jitters))
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:

@@ -32,7 +32,10 @@ sync is a ring allreduce with the measured allreduce's latency per step and the 
 byte (the slower of it and the link's), once per bucket of its gradient (:func:`pipetrain.strategies.allreduce.buckets`:
 the runtime's replicas allreduce in buckets), and its ``A``, which starts the last bucket's allreduce,
 takes the CPU of a message end of that bucket's bytes, as a send does (0.5-1.3 ms per ``A`` on the
-demo's replicated stages, 4 workers sharing 2 cores, priced at nothing before).
+demo's replicated stages, 4 workers sharing 2 cores, priced at nothing before). Replicas whose
+compute varies (the set-up's ``jitter_s``) do not arrive when simulated: a sync begins when the last
+of them is expected (:func:`~pipetrain.costs.last_arrival_s`, each replica's simulated start varied
+by its stage's contended forward and backward).
 
 Each link has a single sender, which issues transfers in program order, and every other time is a
 max over already known times, so event times do not depend on the order in which workers are
@@ -231,6 +234,8 @@ class _Sim:
             for c, r in zip(stages, schedule.replicas)]
         self.start_sync_s = [0.0 if r == 1 else self._cpu_s(last_bucket_bytes(c.parameter_bytes))
                              for c, r in zip(stages, schedule.replicas)]
+        self.jitter_s = 0.0 if setup is None else setup.jitter_s
+        self.work_s = [costs.contended_s(c.forward_s + c.backward_s, self.slowdown) for c in stages]
         # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
         self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and
                        s < len(stages) - 1 else 0.0 for s, c in enumerate(stages)]
@@ -292,7 +297,8 @@ class _Sim:
             started = self.sync_started[(s, k)]
             started[w] = start + self.start_sync_s[s]
             if len(started) == self.sched.replicas[s]:  # the last worker in starts it
-                self.sync_end[(s, k)] = max(max(started.values()), self.sync_end.get((s, k - 1), 0.0)) + self.sync_s[s]
+                last = costs.last_arrival_s(list(started.values()), self.work_s[s], self.jitter_s)
+                self.sync_end[(s, k)] = max(last, self.sync_end.get((s, k - 1), 0.0)) + self.sync_s[s]
             return started[w]
         if a.kind == SYNC:
             end = self.sync_end.get((s, self.waits[w]))

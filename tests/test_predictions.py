@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -11,11 +12,12 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import pipetrain
+from pipetrain import costs
 from pipetrain.planning import Plan, StagePlan, plan
 from pipetrain.planning.choose import choose_strategy, predict_plan
 from pipetrain.profiling import LayerProfile, Profile, _field, as_minibatch, profile_model
 from pipetrain.registry import build_schedule
-from pipetrain.runsetup import Setup, measure_setup
+from pipetrain.runsetup import Setup, _jitter, measure_setup
 from pipetrain.simulate import Link, predict_data_parallel, simulate
 
 MS = 1e-3
@@ -96,6 +98,53 @@ def test_ddp_waits_only_for_the_allreduces_its_backward_did_not_hide():
     assert ddp.samples_per_s == pytest.approx(32 / iteration)
 
 
+def test_the_last_of_several_workers_arrives_as_order_statistics_say():
+    """Work of 10 ms with a jitter of 0.1 ms per second of it varies by σ = 1 ms. Two workers due
+    together: the later comes σ/sqrt(π) late; three: 3σ/(2 sqrt(π)); four: 1.0294σ. Due δ apart, the
+    later of N(0, σ²) and N(δ, σ²) comes at δ Φ(δ/θ) + θ φ(δ/θ), θ = σ sqrt(2)."""
+    sigma, work, jitter = 1 * MS, 10 * MS, 1e-4
+    assert costs.last_arrival_s([5 * MS, 5 * MS], work, jitter) == pytest.approx(5 * MS + sigma / math.sqrt(math.pi),
+                                                                                 rel=1e-4)
+    assert costs.last_arrival_s([0.0] * 3, work, jitter) == pytest.approx(3 * sigma / (2 * math.sqrt(math.pi)), rel=1e-4)
+    assert costs.straggler_s(work, jitter, 4) == pytest.approx(1.029375 * sigma, rel=1e-4)
+    assert costs.straggler_s(work, jitter, 1) == 0.0
+    theta = sigma * math.sqrt(2)
+    for delta in (0.5 * MS, 2 * MS, 6 * MS):
+        z = delta / theta
+        by_hand = delta * 0.5 * (1 + math.erf(z / math.sqrt(2))) + theta * math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+        assert costs.last_arrival_s([0.0, delta], work, jitter) == pytest.approx(by_hand, rel=1e-4)
+    assert costs.last_arrival_s([0.0, 3 * MS], work, 0.0) == 3 * MS
+
+
+def test_a_replicated_stage_waits_for_its_slowest_replica():
+    """The stage of two_layers (6 ms of forward and backward) on 2 workers with a jitter of 1.5 ms per
+    second: σ = 3 ms, and the replicas start their first allreduce together as simulated, so it begins
+    σ/sqrt(π) after that; the allreduce itself (2 x 0.5 ms + 800 B x 2 us/B) follows."""
+    measured = setup(cores=8, slowdown=1.0, allreduce_latency_s=0.5 * MS, ring_s_per_byte=2e-6, jitter_s=1.5 * MS)
+    times = {a: (s, e) for a, s, e in simulate(build_schedule("pipedream", [2], 4), two_layers(measured), [0]).trace[0]}
+    late = 3 * MS / math.sqrt(math.pi)
+    assert times["S0"][1] - times["A0"][1] == pytest.approx(late + 2 * 0.5 * MS + 800 * 2e-6, rel=1e-4)
+
+
+def test_the_planner_stops_replicating_when_replicas_straggle():
+    """Layers of 3 ms and 6 ms (forward + backward): replicated on 2 workers a minibatch takes 9/2 ms,
+    as a pipeline the slower stage's 6 ms. With a jitter of 4 ms per second, the replicas' 9 ms vary by
+    σ = 6 ms and the later one comes 0.5642σ = 3.4 ms late: (9 + 3.4)/2 = 6.2 ms, and the pipeline wins."""
+    layers = [LayerProfile("0", 1 * MS, 2 * MS, 10, 100), LayerProfile("1", 2 * MS, 4 * MS, 10, 100)]
+    steady = setup(cores=8, slowdown=1.0, latency_s=0.0)
+    for jitter, replicas in ((0.0, [2]), (4 * MS, [1, 1])):
+        profile = Profile(layers, batch_size=8, device="test", input_bytes=10,
+                          setup=dataclasses.replace(steady, jitter_s=jitter))
+        assert plan(profile, 2, "100Gbit").replicas == replicas
+
+
+def test_the_probes_jitter_is_the_variance_of_every_workers_calls_per_second():
+    """Calls of 1 and 3 ms on one worker, 2 and 2 ms on another: mean 2 ms, variance 0.5 ms², 0.25 ms per
+    second of compute."""
+    assert _jitter([[1 * MS, 3 * MS], [2 * MS, 2 * MS]]) == pytest.approx(0.25 * MS)
+    assert _jitter([[2 * MS]]) == 0.0
+
+
 def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with_messages():
     fields = {k: v for k, v in dataclasses.asdict(setup()).items() if "ring" not in k and "allreduce" not in k}
     old = Setup.from_dict(fields, _field)
@@ -109,6 +158,7 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
+    assert measured.jitter_s >= 0 and "ms of compute" in measured.describe()
 
 
 def test_a_gpipe_plan_is_predicted_at_its_microbatches():

@@ -38,6 +38,7 @@ import numpy as np
 
 from pipetrain.costs import (
     SYNC_ALGORITHMS, boundary_time, dp_sync_bytes, in_flight, stage_memory_bytes, stage_time, stage_work_s,
+    straggler_s,
 )
 from pipetrain.planning.result import Plan, StagePlan
 from pipetrain.planning.units import format_bytes, parse_bandwidth, parse_bytes
@@ -170,7 +171,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
     # message latency and the slower of the link and the transport; a sync the measured allreduce's
     # latencies and the slower of the link and the measured ring per byte.
     setup = profile.setup
-    slowdown, latency = (1.0, 0.0) if setup is None else (setup.slowdown, setup.latency_s)
+    slowdown, latency, jitter = (1.0, 0.0, 0.0) if setup is None else (setup.slowdown, setup.latency_s, setup.jitter_s)
     ring_latency, ring_per_byte = (0.0, 0.0) if setup is None else setup.allreduce_terms(ours=False)
     ring_rate = np.inf if ring_per_byte == 0 else 1 / ring_per_byte
     cpu = np.array([0.0] + [2 * setup.shared_cpu(c) if setup else 0.0 for c in cut[1:N]] + [0.0])
@@ -211,7 +212,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
         work = stage_work_s(compute[js] - compute[i], 0.0, np.where(js < N, part * copy_per_byte, 0.0),
                             cpu[i] + cpu[js], slowdown)
         sync = dp_sync_bytes(part, r, allreduce) / np.minimum(bw_stage, ring_rate) + 2 * (r - 1) * ring_latency
-        T = stage_time(work, sync, r)
+        T = stage_time(work + straggler_s(work, jitter, r), sync, r)
         if limit is not None:
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
             T = np.where(stage_memory_bytes(part, stash, flight) <= limit, T, INF)
