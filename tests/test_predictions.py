@@ -216,6 +216,44 @@ def test_the_planner_charges_message_latency_to_every_boundary():
     assert len(plan(slow, 2, "100Gbit", straight=True, fewer_workers=True).stages) == 1
 
 
+def test_the_output_stage_pays_no_message_latency():
+    """Nothing leaves the output stage. With 10 ms per message, one stage of two layers (1 + 2 ms each)
+    on one worker takes its 6 ms per minibatch, not the 20 ms of a boundary behind it; split in two, the
+    one boundary between the stages pays 2 x (10 ms + 10 B x 1 us/B)."""
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 10, 100) for i in range(2)]
+    slow = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=setup(latency_s=10 * MS, slowdown=1.0))
+    assert plan(slow, 1, "100Gbit").stage_time_s == pytest.approx(6 * MS)
+    assert plan(slow, 2, "100Gbit", straight=True).stage_time_s == pytest.approx(2 * (10 * MS + 10e-6))
+
+
+def test_one_stage_on_every_worker_is_priced_as_the_partitioner_prices_a_stage():
+    """Two layers (3 ms of forward and backward each, 100 bytes of weights) on 4 workers as one stage,
+    no set-up: PipeDream's T = max(6 ms, parameter-server sync of 4 x 3/4 x 200 B at 100 Gbit/s) / 4."""
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 10, 100) for i in range(2)]
+    one = plan(Profile(layers, batch_size=8, device="test", input_bytes=10), 4, "100Gbit", one_stage=True)
+    assert (one.replicas, one.boundaries, one.noam) == ([4], [0], 1)
+    assert one.stage_time_s == pytest.approx(6 * MS / 4)
+    assert one.speedup_vs_dp == pytest.approx(1.0)
+
+
+def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(monkeypatch):
+    """The partitioner's plan, here forced to two stages with 2 x 40 kB crossing a link of 10 ms per
+    message, against both layers on both workers: simulated, one stage is faster and is taken."""
+    import pipetrain.api as api
+
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 40_000, 100) for i in range(2)]
+    slow_link = setup(cores=8, slowdown=1.0, latency_s=10 * MS, allreduce_latency_s=0.1 * MS, ring_s_per_byte=1e-9)
+    profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=slow_link)
+    monkeypatch.setattr(api, "_measured_profile", lambda *args: profile)
+    monkeypatch.setattr(api, "plan", lambda p, w, b, straight=False, one_stage=False:
+                        plan(p, w, b, straight=not one_stage, one_stage=one_stage))
+    found = api._plan_here(nn.Linear(1, 1), list(range(64)), None, None, 8, 2, "1Gbit", "pipedream", 1, 1)
+    chosen = Plan.from_dict(found["plan"])
+    simulated = chosen.options["simulated_samples_per_s"]
+    assert chosen.config == "2" and set(simulated) == {"1-1", "2"}
+    assert found["predicted"] == simulated["2"] > simulated["1-1"]
+
+
 def test_profile_times_the_optimizer_and_leaves_the_model_as_it_was(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))

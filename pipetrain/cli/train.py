@@ -169,6 +169,10 @@ def _report_speed(result: Any) -> None:
     if result.plan is not None:
         stages = ", ".join(f"layers {s.first_layer}-{s.last_layer} x{s.replicas}" for s in result.plan.stages)
         print(f"plan {result.plan.config} ({stages}), NOAM {result.plan.noam}")
+        simulated = result.plan.options.get("simulated_samples_per_s", {})
+        if len(simulated) > 1:
+            print("simulated before choosing: " + ", ".join(f"plan {k} {v:.0f}" for k, v in simulated.items())
+                  + " samples/s")
     if result.predicted_samples_per_s:
         error = result.predicted_samples_per_s / result.samples_per_s - 1 if result.samples_per_s else float("nan")
         print(f"samples/s: predicted {result.predicted_samples_per_s:.0f}, measured {result.samples_per_s:.0f} "

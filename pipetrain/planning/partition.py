@@ -43,6 +43,7 @@ from pipetrain.costs import (
 from pipetrain.planning.result import Plan, StagePlan
 from pipetrain.planning.units import format_bytes, parse_bandwidth, parse_bytes
 from pipetrain.profiling import Profile
+from pipetrain.runsetup import Setup
 from pipetrain.schedule.generators import noam
 
 INF = float("inf")
@@ -69,6 +70,35 @@ class Topology:
         return position // self.workers_per_server
 
 
+@dataclass(frozen=True)
+class _Terms:
+    """What a profile's measured set-up adds to the paper's T and C (nothing without one): compute
+    ``slowdown``, a message's ``latency``, the ``jitter`` of compute, and the measured allreduce's
+    latency per step and bytes per second."""
+
+    slowdown: float = 1.0
+    latency: float = 0.0
+    jitter: float = 0.0
+    ring_latency: float = 0.0
+    ring_rate: float = INF
+
+    @staticmethod
+    def of(setup: Setup | None) -> _Terms:
+        if setup is None:
+            return _Terms()
+        ring_latency, ring_per_byte = setup.allreduce_terms(ours=False)
+        return _Terms(setup.slowdown, setup.latency_s, setup.jitter_s, ring_latency,
+                      INF if ring_per_byte == 0 else 1 / ring_per_byte)
+
+    def stage_s(self, work: Any, params: Any, replicas: Any, bandwidth: Any, allreduce: str) -> Any:
+        """T of a stage whose ``replicas`` each do ``work`` seconds per minibatch and sync ``params``
+        bytes of weights: the measured allreduce's latencies and the slower of the link and the measured
+        ring per byte; and the replicas wait for the slowest of them at every sync, which no sync overlaps."""
+        sync = dp_sync_bytes(params, replicas, allreduce) / np.minimum(bandwidth, self.ring_rate) \
+            + 2 * (replicas - 1) * self.ring_latency
+        return stage_time(work + straggler_s(work, self.jitter, replicas), sync, replicas)
+
+
 @dataclass
 class _Table:
     """The solved table: best time, and the choice that reached it, per (first layer, workers, flag)."""
@@ -84,7 +114,7 @@ class _Table:
 def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | str = "10Gbit", *,
          straight: bool = False, memory: float | str | None = None, workers_per_server: int | None = None,
          intra_bandwidth: float | str | None = None, fewer_workers: bool = False, allreduce: str = "ps",
-         source: str | None = None) -> Plan:
+         source: str | None = None, one_stage: bool = False) -> Plan:
     """Partition a profiled model over ``workers`` with PipeDream's dynamic program (§3.2).
 
     Args:
@@ -100,9 +130,11 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
         fewer_workers: use fewer than ``workers`` when more would not be faster.
         allreduce: weight sync volume, ``ps`` (parameter server, the paper's) or ``ring``.
         source: names the profile in error messages (default: its path, or ``profile``).
+        one_stage: not the partitioner's choice but every layer as one stage on all ``workers``, priced as
+            it prices a stage: data parallelism through the pipeline runtime, for comparing with its choice.
 
     Returns:
-        The plan with the least predicted slowest-stage time.
+        The plan with the least predicted slowest-stage time (with ``one_stage``, that one stage).
 
     Raises:
         ValueError: bad arguments or profile, or no configuration that meets the constraints
@@ -125,20 +157,37 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
         raise ValueError(f"unknown sync algorithm {allreduce!r}; use one of {', '.join(SYNC_ALGORITHMS)}")
 
     workers = int(workers)
-    table = _solve(profile, workers, topo, straight, limit, allreduce)
-    used, flag = _pick(table, workers, fewer_workers)
-    if table.best[0, used, flag] == INF:
-        raise ValueError(_infeasible(profile, workers, straight and not fewer_workers, limit, source))
-    stages = _stages(table, len(profile), used, flag)
-    period = float(table.best[0, used, flag])
-    one = sum(layer.compute_s for layer in profile.layers)
     options: dict[str, Any] = {"workers": workers, "bandwidth": inter, "straight": straight, "memory": limit,
                                "workers_per_server": workers_per_server,
                                "intra_bandwidth": None if intra_bandwidth is None else topo.intra_bandwidth,
                                "fewer_workers": fewer_workers, "allreduce": allreduce, "profile": source,
                                "model": profile.model, "batch_size": profile.batch_size}
+    if one_stage:
+        return _result(profile, [_one_stage(profile, workers, topo, allreduce)], workers, topo, allreduce, options)
+    table = _solve(profile, workers, topo, straight, limit, allreduce)
+    used, flag = _pick(table, workers, fewer_workers)
+    if table.best[0, used, flag] == INF:
+        raise ValueError(_infeasible(profile, workers, straight and not fewer_workers, limit, source))
+    return _result(profile, _stages(table, len(profile), used, flag), workers, topo, allreduce, options)
+
+
+def _result(profile: Profile, stages: list[StagePlan], workers: int, topo: Topology, allreduce: str,
+            options: dict[str, Any]) -> Plan:
+    """The Plan of ``stages``: its period is the slowest stage's or boundary's time."""
+    period = max(max(s.time_s, s.boundary_s) for s in stages)
+    one = sum(layer.compute_s for layer in profile.layers)
     return Plan(stages, noam([s.replicas for s in stages]), period, one / period,
                 _data_parallel_time(profile, workers, topo, allreduce) / period, options)
+
+
+def _one_stage(profile: Profile, workers: int, topo: Topology, allreduce: str) -> StagePlan:
+    """Every layer as one stage on all ``workers``: data parallelism through the pipeline runtime, priced
+    as :func:`_solve` prices a stage (memory not checked)."""
+    terms = _Terms.of(profile.setup)
+    bw = topo.intra_bandwidth if workers <= topo.workers_per_server else topo.inter_bandwidth
+    work = stage_work_s(sum(x.compute_s + x.optimizer_s for x in profile.layers), 0.0, 0.0, 0.0, terms.slowdown)
+    params = sum(float(x.parameter_bytes) for x in profile.layers)
+    return StagePlan(0, len(profile) - 1, workers, float(terms.stage_s(work, params, workers, bw, allreduce)), 0.0)
 
 
 def _check_profile(profile: Profile, source: str) -> None:
@@ -168,12 +217,10 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
     # [Note: run set-up] of the simulator, in the planner's terms: a stage pays the CPU of the two
     # message ends at each of its cuts (activations and gradients), a stashed copy of its weights
     # (not the output stage), its compute slowed by workers sharing cores; a boundary pays the
-    # message latency and the slower of the link and the transport; a sync the measured allreduce's
-    # latencies and the slower of the link and the measured ring per byte.
+    # message latency and the slower of the link and the transport; a replicated stage its sync and
+    # its wait for the slowest replica (_Terms.stage_s).
     setup = profile.setup
-    slowdown, latency, jitter = (1.0, 0.0, 0.0) if setup is None else (setup.slowdown, setup.latency_s, setup.jitter_s)
-    ring_latency, ring_per_byte = (0.0, 0.0) if setup is None else setup.allreduce_terms(ours=False)
-    ring_rate = np.inf if ring_per_byte == 0 else 1 / ring_per_byte
+    terms = _Terms.of(setup)
     cpu = np.array([0.0] + [2 * setup.shared_cpu(c) if setup else 0.0 for c in cut[1:N]] + [0.0])
     copy_per_byte = 0.0 if setup is None else setup.copy_s_per_byte
     transport = np.inf if setup is None or setup.s_per_byte == 0 else 1 / setup.s_per_byte
@@ -210,13 +257,14 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
         js = np.arange(i + 1, N + 1)[None, None, :]
         part = params[js] - params[i]
         work = stage_work_s(compute[js] - compute[i], 0.0, np.where(js < N, part * copy_per_byte, 0.0),
-                            cpu[i] + cpu[js], slowdown)
-        sync = dp_sync_bytes(part, r, allreduce) / np.minimum(bw_stage, ring_rate) + 2 * (r - 1) * ring_latency
-        T = stage_time(work + straggler_s(work, jitter, r), sync, r)
+                            cpu[i] + cpu[js], terms.slowdown)
+        T = terms.stage_s(work, part, r, bw_stage, allreduce)
         if limit is not None:
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
             T = np.where(stage_memory_bytes(part, stash, flight) <= limit, T, INF)
-        B = boundary_time(cut[js][..., None], np.minimum(bw_boundary, transport), latency)
+        # nothing crosses after the last layer: no boundary, and no message latency, behind the output stage
+        B = np.where((js < N)[..., None], boundary_time(cut[js][..., None], np.minimum(bw_boundary, transport),
+                                                        terms.latency), 0.0)
         X = np.maximum(B, T[..., None])
         J = N - i
         cand: np.ndarray = np.empty((M, R, J, F))
