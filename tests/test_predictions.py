@@ -323,6 +323,16 @@ def test_cgdp_competes_on_one_machine():
     assert "cgdp" in choice.predictions and choice.options["cgdp"]["chunk"] >= 1
 
 
+def test_cgdp_takes_the_fewest_chunks_of_the_sizes_it_prices_alike():
+    """Free copies, sums and signals price every chunk size of 4 layers alike; chunk size 3 makes the
+    fewest chunks ([0, 1, 2] and [3]; 2 makes three, 1 and 4 four)."""
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 10, 100) for i in range(4)]
+    profile = Profile(layers, batch_size=8, device="test", input_bytes=10)
+    choice = choose_strategy(profile, 2, host_costs={"copy_s_per_byte": 0.0, "sum_s_per_byte": 0.0},
+                             strategies=["cgdp"])
+    assert choice.options["cgdp"]["chunk"] == 3
+
+
 def test_auto_refuses_what_it_would_choose_and_unknown_names():
     with pytest.raises(ValueError, match="unknown strategies"):
         choose_strategy(light_weights(), 2, strategies=["gpipe"])
