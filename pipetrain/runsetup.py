@@ -53,6 +53,9 @@ class Setup:
         jitter_s: how much a worker's compute time varies with all ``workers`` computing at once, as a
             variance per second of compute: work of d seconds takes d ± sqrt(``jitter_s`` d) (one
             standard deviation; :func:`_jitter`); 0 when not measured.
+        allreduce_cpu_s: CPU seconds a worker spends in one 1-element ``all_reduce`` of the backend (a
+            signal: CGDP sends two per chunk), waiting for the others included (:func:`_allreduce_cpu`);
+            0 when not measured.
     """
 
     backend: str
@@ -69,6 +72,7 @@ class Setup:
     ring_s_per_byte: float = 0.0
     allreduce_latency_s: float = 0.0
     jitter_s: float = 0.0
+    allreduce_cpu_s: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
@@ -110,7 +114,8 @@ class Setup:
                 f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us + "
                 f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
                 f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B, "
-                f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step, 10 ms of compute "
+                f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step and "
+                f"{1e6 * self.allreduce_cpu_s:.0f} us of CPU, 10 ms of compute "
                 f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms")
 
 
@@ -131,7 +136,7 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     how much those calls varied (:func:`_jitter`). Messages: ranks 0 and 1 play
     ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
     half a round trip: first with nothing else running in the two processes, for the CPU time per
-    message end; then while a thread of every rank runs ``kernel``, as the compute threads of a running
+    message end (and every rank's CPU per backend ``all_reduce`` of 1 element); then while a thread of every rank runs ``kernel``, as the compute threads of a running
     job do, for the time per message (its transport threads then wait for a core).
     """
     from pipetrain.runtime.launch import spawn
@@ -207,6 +212,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     # CPU per message with nothing else running in the two processes; then the time per message while
     # a thread of each computes, as the compute thread of a running pipeline does
     cpu = _ping_pong(transport, rank, rounds, device)[1]
+    allreduce_cpu = _allreduce_cpu(rank, rounds, device)
     stop = threading.Event()
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
@@ -224,7 +230,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
                 message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_copy_s_per_byte(device),
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
-                jitter_s=statistics.median(jitters))
+                jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -294,28 +300,51 @@ STAGGER_S = 0.002
 """Up to how long each rank computes, a different time in every round, before it joins an allreduce."""
 
 
-def _allreduce_latency(rank: int, rounds: int, device: torch.device) -> float:
-    """α of the backend's ``all_reduce`` (per ring step) as a job meets it: in each round every rank
-    computes for a different time up to :data:`STAGGER_S`, then calls a 1-element ``all_reduce``; the
-    round's time is the last caller's (the others were already waiting), which leaves what it costs once
-    every rank has arrived, the waiting ranks' threads woken on cores that are busy. Median over
-    ``rounds``. Ranks lined up by a barrier before each call read 0.2-0.8 ms per step where the demo's
-    replicated stages waited 1-2 ms."""
+def _staggered_allreduces(rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """(wall, CPU) seconds of each of ``rounds`` 1-element ``all_reduce`` calls of the backend, after two
+    untimed: before each, every rank computes for a different time up to :data:`STAGGER_S`, so the ranks
+    arrive as a job's do, the early ones waiting. CPU is the whole process's during the call (gloo's
+    threads included)."""
     import random
 
     import torch.distributed as dist
 
-    flag, stagger, spans = torch.zeros(1, device=device), random.Random(rank), []
+    flag, stagger, wall, cpu = torch.zeros(1, device=device), random.Random(rank), [], []
     for _ in range(rounds + 2):
         until = time.perf_counter() + stagger.uniform(0.0, STAGGER_S)
         while time.perf_counter() < until:
             pass
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dist.all_reduce(flag)
-        spans.append(time.perf_counter() - t0)
-    last = torch.tensor(spans[2:], dtype=torch.float64, device=device)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall[2:], cpu[2:]
+
+
+def _allreduce_latency(rank: int, rounds: int, device: torch.device) -> float:
+    """α of the backend's ``all_reduce`` (per ring step) as a job meets it, every rank's compute thread
+    busy: in each of ``rounds`` staggered calls (:func:`_staggered_allreduces`) the round's time is the last
+    caller's (the others were already waiting), which leaves what it costs once every rank has arrived,
+    the waiting ranks' threads woken on cores that are busy. Median over the rounds. Ranks lined up by a
+    barrier before each call read 0.2-0.8 ms per step where the demo's replicated stages waited 1-2 ms."""
+    import torch.distributed as dist
+
+    last = torch.tensor(_staggered_allreduces(rank, rounds, device)[0], dtype=torch.float64, device=device)
     dist.all_reduce(last, op=dist.ReduceOp.MIN)
     return statistics.median(last.tolist()) / (2 * (dist.get_world_size() - 1))
+
+
+def _allreduce_cpu(rank: int, rounds: int, device: torch.device) -> float:
+    """CPU seconds a staggered 1-element ``all_reduce`` (:func:`_staggered_allreduces`) costs a rank, with
+    nothing else running in the process: the median over ``rounds``, averaged over the ranks. Waiting for
+    the last rank costs CPU too: with 2 ranks on 2 cores a call took 0.16-0.19 ms of CPU back to back and
+    0.29-0.44 ms staggered by up to 2 ms."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([statistics.median(_staggered_allreduces(rank, rounds, device)[1])], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(mine)
+    return float(mine) / dist.get_world_size()
 
 
 def _line(points: list[float]) -> tuple[float, float]:

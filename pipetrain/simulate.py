@@ -625,8 +625,9 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
         copy_s_per_byte, sum_s_per_byte: host costs (:func:`pipetrain.strategies.cgdp.measure_host_costs`).
         signal_s: one 1-element allreduce among the machine's workers.
         copy_back_s_per_byte: host to device (GPU only).
-        cores_per_worker: with fewer than 2, the host's copies and sums run on the cores the backward
-            uses, so the backward cannot end before its own time plus theirs
+        cores_per_worker: with fewer than 2, the host's copies, sums and signals (the set-up's
+            ``allreduce_cpu_s`` each) run on the cores the backward uses, so the backward cannot end
+            before its own time plus their CPU
             (:func:`pipetrain.costs.shared_core_compute_s`; ours, not the paper's). Default: the
             profile's measured set-up's, else unlimited.
         minibatches: for the simulator.
@@ -662,7 +663,10 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
     for r, done in zip(rows, costs.cgdp_unit_times(bp, sync, aa, bc, serial=True)):
         r["done_s"] = done
     backward = costs.cgdp_backward_s(bp, sync, aa, bc, tail_s, serial=True) if rows else tail_s
-    host_cpu = sum(int(r["bytes"]) for r in rows) * (copy_s_per_byte + sum_s_per_byte)  # type: ignore[call-overload]
+    # the summing thread's CPU: copies, sums and each chunk's two signals (waiting in them costs CPU)
+    signal_cpu = 0.0 if profile.setup is None else profile.setup.allreduce_cpu_s
+    host_bytes = sum(int(r["bytes"]) for r in rows)  # type: ignore[call-overload]
+    host_cpu = host_bytes * (copy_s_per_byte + sum_s_per_byte) + 2 * len(rows) * signal_cpu
     backward = max(backward, costs.shared_core_compute_s(0.0, sum(bp) + tail_s, host_cpu, cores_per_worker))
     overhead = backward - sum(bp) - tail_s
     sim = simulate(build_data_parallel("cgdp", workers, minibatches), profile, [0], Link(), batch_size,

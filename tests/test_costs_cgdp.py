@@ -8,6 +8,7 @@ import pytest
 from pipetrain import costs
 from pipetrain.cli import main
 from pipetrain.profiling import LayerProfile, Profile
+from pipetrain.runsetup import Setup
 from pipetrain.simulate import predict_cgdp
 
 BP, AS, AA, BC = [1.0, 2.0, 3.0], [0.1, 0.1, 0.1], [0.5, 0.2, 0.05], [0.1, 0.1, 0.01]  # backward order
@@ -57,6 +58,24 @@ def test_prediction_groups_layers_into_the_papers_chunks() -> None:
     assert slow.backward_s == pytest.approx(6.0) and slow.overhead_s == pytest.approx(2.25)
     one = predict_cgdp(profile(), 1, 3, copy_s_per_byte=1e-3, sum_s_per_byte=0.0, signal_s=0.0)
     assert [c["layers"] for c in one.chunks] == [[1, 2, 3]] and one.backward_s == pytest.approx(3.25 + 4.0)
+
+
+def test_signals_take_their_cpu_from_a_backward_on_shared_cores() -> None:
+    """Two workers on one core: the summing thread's copies (4000 B x 1e-4 s) and each chunk's two
+    signals (0.2 s of CPU each) run on the core the backward uses, so the backward (3.75 s) ends 1.2 s
+    later with two chunks, 0.8 s with one; with a core each they overlap it."""
+    def with_cores(cores: int) -> Profile:
+        p = profile()
+        p.setup = Setup(backend="gloo", workers=2, threads=1, cores=cores, slowdown=1.0, latency_s=0.0,
+                        s_per_byte=0.0, message_cpu_s=0.0, message_cpu_s_per_byte=0.0, copy_s_per_byte=0.0,
+                        allreduce_cpu_s=0.2)
+        return p
+
+    for chunk, by_hand in ((1, 3.75 + 0.4 + 4 * 0.2), (3, 3.75 + 0.4 + 2 * 0.2)):
+        shared = predict_cgdp(with_cores(1), 1, chunk, copy_s_per_byte=1e-4, sum_s_per_byte=0.0, signal_s=0.0)
+        assert shared.backward_s == pytest.approx(by_hand)
+    roomy = predict_cgdp(with_cores(4), 1, 1, copy_s_per_byte=1e-4, sum_s_per_byte=0.0, signal_s=0.0)
+    assert roomy.backward_s == pytest.approx(3.75)
 
 
 def test_cli_simulate_cgdp_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

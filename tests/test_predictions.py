@@ -148,13 +148,13 @@ def test_the_probes_jitter_is_the_variance_of_every_workers_calls_per_second():
 def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with_messages():
     fields = {k: v for k, v in dataclasses.asdict(setup()).items() if "ring" not in k and "allreduce" not in k}
     old = Setup.from_dict(fields, _field)
-    assert (old.ring_latency_s, old.ring_s_per_byte, old.allreduce_latency_s) == (0.0, 0.0, 0.0)
+    assert (old.ring_latency_s, old.ring_s_per_byte, old.allreduce_latency_s, old.allreduce_cpu_s) == (0.0,) * 4
     assert old.allreduce_terms(ours=True) == old.allreduce_terms(ours=False) == (old.latency_s, old.s_per_byte)
 
 
 def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1)
-    assert measured.ring_s_per_byte > 0 and measured.allreduce_latency_s > 0
+    assert measured.ring_s_per_byte > 0 and measured.allreduce_latency_s > 0 and measured.allreduce_cpu_s > 0
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
