@@ -287,6 +287,8 @@ def _train_auto(arguments: dict[str, Any]) -> TrainResult:
     def choose() -> dict[str, Any]:
         measured = _measured_profile(model, dataset, loss_fn, arguments["optimizer"], batch_size, workers,
                                      _threads(arguments["threads"], workers))
+        if measured.setup is not None:  # what the predictions below are priced with
+            print(f"pipetrain: measured set-up: {measured.setup.describe()}", flush=True)
         return choose_strategy(measured, workers, bandwidth, batch_size=batch_size, one_machine=one_machine,
                                allow_compression=arguments["allow_compression"]).to_dict()
 

@@ -358,3 +358,4 @@ def test_train_auto_measures_chooses_and_trains_the_choice(capsys):
     assert len(result.history) == 4
     out = capsys.readouterr().out
     assert "strategy auto" in out and result.choice["reason"] in out
+    assert "measured set-up: 2 workers x 1 threads" in out
