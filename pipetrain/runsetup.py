@@ -136,8 +136,9 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     how much those calls varied (:func:`_jitter`). Messages: ranks 0 and 1 play
     ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
     half a round trip: first with nothing else running in the two processes, for the CPU time per
-    message end (and every rank's CPU per backend ``all_reduce`` of 1 element); then while a thread of every rank runs ``kernel``, as the compute threads of a running
-    job do, for the time per message (its transport threads then wait for a core).
+    message end (and every rank's CPU per backend ``all_reduce`` of 1 element); then while a thread of
+    every rank runs ``kernel``, as the compute threads of a running job do, for the time per message
+    (its transport threads then wait for a core).
     """
     from pipetrain.runtime.launch import spawn
 

@@ -197,7 +197,6 @@ def _best_chunk(profile: Profile, workers: int, batch: int, host: dict[str, floa
     """CGDP's (samples/s, layers per chunk) at the chunk size its cost model predicts fastest (of
     several alike, the one with the fewest chunks)."""
     from pipetrain.strategies.cgdp import measure_host_costs
-    from pipetrain.strategies.chunks import chunk_layout
 
     units = sum(1 for x in profile.layers if x.parameter_bytes)
     if host is None:
@@ -205,12 +204,12 @@ def _best_chunk(profile: Profile, workers: int, batch: int, host: dict[str, floa
     # a signal is a 1-element allreduce among the machine's workers: 2 (L - 1) messages
     signal = 0.0 if profile.setup is None else float(ring_allreduce_time(
         workers, 4.0, *profile.setup.allreduce_terms(ours=False), 0.0))
-    rates = {k: predict_cgdp(profile, workers, k, batch, signal_s=signal, copy_s_per_byte=host["copy_s_per_byte"],
-                             sum_s_per_byte=host["sum_s_per_byte"]).samples_per_s
-             for k in range(1, max(units, 1) + 1)}
+    found = {k: predict_cgdp(profile, workers, k, batch, signal_s=signal, copy_s_per_byte=host["copy_s_per_byte"],
+                             sum_s_per_byte=host["sum_s_per_byte"]) for k in range(1, max(units, 1) + 1)}
+    rates = {k: p.samples_per_s for k, p in found.items()}
     # Of the sizes the model prices alike, the fewest chunks: traced on resnet-like (2 workers, 2 cores)
     # every chunk took 0.8-1.9 ms of the backward (33 ms with 2 chunks, 40 with 6, 46 with 11), of which
     # the model prices only its signals' CPU (2 x 0.22 ms), and nothing with a core per worker.
     best = max(rates.values())
-    chunk = min((k for k in rates if rates[k] >= best * (1 - 1e-9)), key=lambda k: (len(chunk_layout(units, k)), k))
+    chunk = min((k for k in rates if rates[k] >= best * (1 - 1e-9)), key=lambda k: (len(found[k].chunks), k))
     return rates[chunk], chunk
