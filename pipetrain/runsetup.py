@@ -272,12 +272,15 @@ RING_SECONDS = 0.1
 def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
                big_rounds: int = 3) -> tuple[float, float]:
     """(α, β) of :func:`pipetrain.strategies.ring.ring_allreduce` over every rank (all call it, each
-    while its compute thread runs): the medians of ``rounds`` allreduces of a small gradient and
-    ``big_rounds`` of a large one (with 3 small ones α read 0.3-7.9 ms per step in six probes a few
-    seconds apart), and the ring model's line through the two. Large: as many bytes as the ping-pong's ``s_per_byte``
-    (rank 0's) moves in :data:`RING_SECONDS`, within :data:`RING_BYTES`; a one-message line under-rates
-    what a long transfer costs (on loopback gloo moved 1 MiB messages at 0.26 ns/B, a 108 MB ring at
-    1.9 ns/B with the cores busy)."""
+    while its compute thread runs): the ring model's line through two sizes. Small: ``rounds``
+    staggered allreduces (:func:`_staggered_calls`; with 3, α read 0.3-7.9 ms per step in six probes a
+    few seconds apart), each rank's median, waiting included, averaged over the ranks. Lined up by a
+    barrier, 4 ranks on 2 cores read 2.8-3.8 ms per step, staggered 3.8-4.4, and mnist-mlp's pipe-sgd
+    rings met 3.7-4.1 in its runs (their time less the bytes at β). Large: ``big_rounds`` lined up by
+    a barrier, as many bytes as the ping-pong's ``s_per_byte`` (rank 0's) moves in
+    :data:`RING_SECONDS`, within :data:`RING_BYTES`; a one-message line under-rates what a long
+    transfer costs (on loopback gloo moved 1 MiB messages at 0.26 ns/B, a 108 MB ring at 1.9 ns/B with
+    the cores busy)."""
     import torch.distributed as dist
 
     from pipetrain.strategies.compression import get_codec
@@ -287,11 +290,14 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
     big = [min(RING_BYTES[2], max(RING_BYTES[1], int(RING_SECONDS / max(s_per_byte, 1e-12))))]
     dist.broadcast_object_list(big, src=0)
     sizes = (RING_BYTES[0], big[0])
-    times = []
-    for nbytes, repeats in zip(sizes, (rounds, big_rounds)):
-        blocks = torch.zeros(world, block_size(nbytes // 4, world, 1), device=device)
-        times.append(median_seconds(lambda: ring_allreduce(blocks, None, get_codec(None)), repeats,
-                                    sync=dist.barrier))
+    small, large = (torch.zeros(world, block_size(n // 4, world, 1), device=device) for n in sizes)
+    # the small one staggered, as a job's ranks arrive: each rank's own time, waiting included, is a
+    # period of a ring that runs one allreduce after another; the mean over the ranks
+    mine = torch.tensor([statistics.median(_staggered_calls(lambda: ring_allreduce(small, None, get_codec(None)),
+                                                            rank, rounds)[0])], dtype=torch.float64, device=device)
+    dist.all_reduce(mine)
+    times = [float(mine) / world,
+             median_seconds(lambda: ring_allreduce(large, None, get_codec(None)), big_rounds, sync=dist.barrier)]
     hops, share = 2 * (world - 1), 2 * (world - 1) / world
     per_byte = max(0.0, times[1] - times[0]) / (share * (sizes[1] - sizes[0]))
     return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
@@ -301,25 +307,32 @@ STAGGER_S = 0.002
 """Up to how long each rank computes, a different time in every round, before it joins an allreduce."""
 
 
-def _staggered_allreduces(rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
-    """(wall, CPU) seconds of each of ``rounds`` 1-element ``all_reduce`` calls of the backend, after two
+def _staggered_calls(fn: Callable[[], Any], rank: int, rounds: int) -> tuple[list[float], list[float]]:
+    """(wall, CPU) seconds of each of ``rounds`` calls of ``fn`` (a collective every rank calls), after two
     untimed: before each, every rank computes for a different time up to :data:`STAGGER_S`, so the ranks
-    arrive as a job's do, the early ones waiting. CPU is the whole process's during the call (gloo's
-    threads included)."""
+    arrive as a job's do, the early ones waiting. CPU is the whole process's during the call (the
+    backend's threads included)."""
     import random
 
-    import torch.distributed as dist
-
-    flag, stagger, wall, cpu = torch.zeros(1, device=device), random.Random(rank), [], []
+    stagger, wall, cpu = random.Random(rank), [], []
     for _ in range(rounds + 2):
         until = time.perf_counter() + stagger.uniform(0.0, STAGGER_S)
         while time.perf_counter() < until:
             pass
         t0, c0 = time.perf_counter(), time.process_time()
-        dist.all_reduce(flag)
+        fn()
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return wall[2:], cpu[2:]
+
+
+def _staggered_allreduces(rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """(wall, CPU) seconds of ``rounds`` staggered 1-element ``all_reduce`` calls of the backend
+    (:func:`_staggered_calls`)."""
+    import torch.distributed as dist
+
+    flag = torch.zeros(1, device=device)
+    return _staggered_calls(lambda: dist.all_reduce(flag), rank, rounds)
 
 
 def _allreduce_latency(rank: int, rounds: int, device: torch.device) -> float:

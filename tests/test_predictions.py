@@ -17,7 +17,7 @@ from pipetrain.planning import Plan, StagePlan, plan
 from pipetrain.planning.choose import choose_strategy, predict_plan
 from pipetrain.profiling import LayerProfile, Profile, _field, as_minibatch, profile_model
 from pipetrain.registry import build_schedule
-from pipetrain.runsetup import Setup, _jitter, measure_setup
+from pipetrain.runsetup import STAGGER_S, Setup, _jitter, _staggered_calls, measure_setup
 from pipetrain.simulate import Link, predict_data_parallel, simulate
 
 MS = 1e-3
@@ -159,6 +159,27 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
                                                    measured.ring_s_per_byte)
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
     assert measured.jitter_s >= 0 and "ms of compute" in measured.describe()
+
+
+def test_staggered_calls_time_the_call_alone_after_each_ranks_own_wait():
+    """Before each call a rank spins a different time of up to STAGGER_S (its own random sequence), the
+    first two calls are not kept, and a reading is the call's time, not the wait's: the time from one
+    call's start to the next is the reading plus a wait."""
+    import time
+
+    waits = []
+    for rank in (0, 1):
+        starts: list[float] = []
+
+        def call() -> None:
+            starts.append(time.perf_counter())
+            time.sleep(0.001)
+        wall, cpu = _staggered_calls(call, rank, rounds=6)
+        assert len(wall) == len(cpu) == 6 and len(starts) == 8
+        assert min(wall) >= 0.001 and all(c < w for c, w in zip(cpu, wall))
+        waits.append([b - a - w for a, b, w in zip(starts[2:], starts[3:], wall)])
+        assert min(waits[-1]) > -1e-4 and max(waits[-1]) > 0.05 * STAGGER_S
+    assert waits[0] != pytest.approx(waits[1], abs=1e-4)  # each rank its own waits: they arrive apart
 
 
 def test_a_gpipe_plan_is_predicted_at_its_microbatches():
