@@ -47,14 +47,14 @@ class Setup:
             2(p-1) α + 2(p-1)/p n β), from two sizes (:func:`_ring_line`); 0 when not measured (a
             profile saved before they were), and the message figures stand in.
         allreduce_latency_s: α of the backend's own allreduce (what DDP, a replicated stage's buckets
-            and CGDP's signals use): a 1-element ``all_reduce`` among all the workers while they
-            compute, from the last rank's call, over its 2(p-1) steps (:func:`_allreduce_latency`); 0
+            and CGDP's signals use): a 1-element ``all_reduce`` among all the workers arriving
+            staggered, from the last rank's call, over its 2(p-1) steps (:func:`_allreduce_at_sync`); 0
             when not measured.
         jitter_s: how much a worker's compute time varies with all ``workers`` computing at once, as a
             variance per second of compute: work of d seconds takes d ± sqrt(``jitter_s`` d) (one
             standard deviation; :func:`_jitter`); 0 when not measured.
         allreduce_cpu_s: CPU seconds a worker spends in one 1-element ``all_reduce`` of the backend (a
-            signal: CGDP sends two per chunk), waiting for the others included (:func:`_allreduce_cpu`);
+            signal: CGDP sends two per chunk), waiting for the others included (:func:`_allreduce_at_sync`);
             0 when not measured.
     """
 
@@ -136,9 +136,10 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     how much those calls varied (:func:`_jitter`). Messages: ranks 0 and 1 play
     ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
     half a round trip: first with nothing else running in the two processes, for the CPU time per
-    message end (and every rank's CPU per backend ``all_reduce`` of 1 element); then while a thread of
-    every rank runs ``kernel``, as the compute threads of a running job do, for the time per message
-    (its transport threads then wait for a core).
+    message end (and the backend's ``all_reduce`` of 1 element among every rank, as a job's sync meets
+    it: :func:`_allreduce_at_sync`); then while a thread of every rank runs ``kernel``, as the compute
+    threads of a running job do, for the time per message (its transport threads then wait for a core)
+    and our ring's line.
     """
     from pipetrain.runtime.launch import spawn
 
@@ -198,7 +199,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     torch.set_num_threads(threads)
     device = init_distributed(timeout)
     rank = dist.get_rank()
-    ratios, jitters = [], []
+    ratios, jitters, steps = [], [], []
     for _ in range(compute_rounds):
         dist.barrier()
         alone = statistics.mean(_run_for(kernel, seconds)) if rank == 0 else 0.0
@@ -208,18 +209,18 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
         dist.all_gather_object(times, together)
         ratios.append(statistics.mean(statistics.mean(t) for t in times[:workers]) / alone if rank == 0 else 1.0)
         jitters.append(_jitter(times[:workers]))
-    slowdown = statistics.median(ratios) if workers > 1 else 1.0
+        steps.append(statistics.mean(t for ts in times[:workers] for t in ts))
+    slowdown, step_s = (statistics.median(ratios) if workers > 1 else 1.0), statistics.median(steps)
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
-    # CPU per message with nothing else running in the two processes; then the time per message while
-    # a thread of each computes, as the compute thread of a running pipeline does
+    # CPU per message and the backend's allreduce with nothing else running in the processes; then the
+    # time per message and our ring's while a thread of each computes, as a running job's compute does
     cpu = _ping_pong(transport, rank, rounds, device)[1]
-    allreduce_cpu = _allreduce_cpu(rank, rounds, device)
+    allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
     stop = threading.Event()
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
     latency, per_byte = _line(_ping_pong(transport, rank, rounds, device)[0])
     ring_latency, ring_per_byte = _ring_line(rank, per_byte, device, rounds)  # rank 0's per_byte sizes it
-    allreduce_latency = _allreduce_latency(rank, rounds, device)
     dist.barrier()  # the other ranks compute until the ring ends: every worker of the job is busy
     stop.set()
     load.join()
@@ -307,15 +308,18 @@ STAGGER_S = 0.002
 """Up to how long each rank computes, a different time in every round, before it joins an allreduce."""
 
 
-def _staggered_calls(fn: Callable[[], Any], rank: int, rounds: int) -> tuple[list[float], list[float]]:
+def _staggered_calls(fn: Callable[[], Any], rank: int, rounds: int,
+                     work: Callable[[], Any] | None = None) -> tuple[list[float], list[float]]:
     """(wall, CPU) seconds of each of ``rounds`` calls of ``fn`` (a collective every rank calls), after two
-    untimed: before each, every rank computes for a different time up to :data:`STAGGER_S`, so the ranks
-    arrive as a job's do, the early ones waiting. CPU is the whole process's during the call (the
-    backend's threads included)."""
+    untimed: before each, every rank runs ``work`` (if given: a training step) and then computes for a
+    different time up to :data:`STAGGER_S`, so the ranks arrive as a job's do, the early ones waiting.
+    CPU is the whole process's during the call (the backend's threads included)."""
     import random
 
     stagger, wall, cpu = random.Random(rank), [], []
     for _ in range(rounds + 2):
+        if work is not None:
+            work()
         until = time.perf_counter() + stagger.uniform(0.0, STAGGER_S)
         while time.perf_counter() < until:
             pass
@@ -326,39 +330,36 @@ def _staggered_calls(fn: Callable[[], Any], rank: int, rounds: int) -> tuple[lis
     return wall[2:], cpu[2:]
 
 
-def _staggered_allreduces(rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
-    """(wall, CPU) seconds of ``rounds`` staggered 1-element ``all_reduce`` calls of the backend
-    (:func:`_staggered_calls`)."""
+SYNC_PROBE_S = 1.0
+"""About how long :func:`_allreduce_at_sync` may take: its rounds are as many training steps."""
+
+
+def _allreduce_at_sync(kernel: Callable[[], Any], step_s: float, rank: int, rounds: int,
+                       device: torch.device) -> tuple[float, float]:
+    """(α per ring step, CPU seconds per call) of the backend's 1-element ``all_reduce`` as a job's sync
+    meets it: in each round every rank runs a training step (``kernel``, ``step_s`` seconds with every
+    rank computing), then computes its own stagger (:func:`_staggered_calls`), then calls; its compute
+    waits in the call, as a job's does. Rounds: ``rounds``, fewer where the steps would take over
+    :data:`SYNC_PROBE_S` (at least 8). α: each round's time is the last caller's (the others were
+    already waiting), the mean over the rounds over its 2(p-1) steps. CPU: each rank's median,
+    averaged over the ranks; waiting for the last rank costs CPU too (2 ranks on 2 cores: 0.16-0.19 ms
+    back to back, 0.29-0.44 ms staggered by up to 2 ms).
+
+    4 ranks of mnist-mlp on 2 cores, in 5 probes each: with a thread of every rank computing all
+    along, as earlier probes took α, 0.7-1.2 ms per step (means of 40 calls), and mnist-mlp's cgdp
+    prediction moved 2x between probes; with nothing else running, 0.24-0.28 ms; as here, 0.27-0.42 (12
+    probes). Its cgdp signals met medians of 0.19-0.25 ms per step in a traced run, 0.75 for the
+    iteration's last (0.4 on average)."""
     import torch.distributed as dist
 
     flag = torch.zeros(1, device=device)
-    return _staggered_calls(lambda: dist.all_reduce(flag), rank, rounds)
-
-
-def _allreduce_latency(rank: int, rounds: int, device: torch.device) -> float:
-    """α of the backend's ``all_reduce`` (per ring step) as a job meets it, every rank's compute thread
-    busy: in each of ``rounds`` staggered calls (:func:`_staggered_allreduces`) the round's time is the last
-    caller's (the others were already waiting), which leaves what it costs once every rank has arrived,
-    the waiting ranks' threads woken on cores that are busy. Median over the rounds. Ranks lined up by a
-    barrier before each call read 0.2-0.8 ms per step where the demo's replicated stages waited 1-2 ms."""
-    import torch.distributed as dist
-
-    last = torch.tensor(_staggered_allreduces(rank, rounds, device)[0], dtype=torch.float64, device=device)
+    count = max(8, min(rounds, int(SYNC_PROBE_S / max(step_s, 1e-9))))
+    wall, cpu = _staggered_calls(lambda: dist.all_reduce(flag), rank, count, kernel)
+    last = torch.tensor(wall, dtype=torch.float64, device=device)
     dist.all_reduce(last, op=dist.ReduceOp.MIN)
-    return statistics.median(last.tolist()) / (2 * (dist.get_world_size() - 1))
-
-
-def _allreduce_cpu(rank: int, rounds: int, device: torch.device) -> float:
-    """CPU seconds a staggered 1-element ``all_reduce`` (:func:`_staggered_allreduces`) costs a rank, with
-    nothing else running in the process: the median over ``rounds``, averaged over the ranks. Waiting for
-    the last rank costs CPU too: with 2 ranks on 2 cores a call took 0.16-0.19 ms of CPU back to back and
-    0.29-0.44 ms staggered by up to 2 ms."""
-    import torch.distributed as dist
-
-    mine = torch.tensor([statistics.median(_staggered_allreduces(rank, rounds, device)[1])], dtype=torch.float64,
-                        device=device)
+    mine = torch.tensor([statistics.median(cpu)], dtype=torch.float64, device=device)
     dist.all_reduce(mine)
-    return float(mine) / dist.get_world_size()
+    return statistics.mean(last.tolist()) / (2 * (dist.get_world_size() - 1)), float(mine) / dist.get_world_size()
 
 
 def _line(points: list[float]) -> tuple[float, float]:

@@ -182,6 +182,25 @@ def test_staggered_calls_time_the_call_alone_after_each_ranks_own_wait():
     assert waits[0] != pytest.approx(waits[1], abs=1e-4)  # each rank its own waits: they arrive apart
 
 
+def test_staggered_calls_run_the_work_before_each_call_untimed():
+    """With ``work`` (a training step, as a job computes before its sync), every call, the two untimed
+    ones too, comes after one run of it, and the readings leave it out."""
+    import time
+
+    log: list[str] = []
+
+    def work() -> None:
+        log.append("work")
+        time.sleep(0.01)
+
+    def call() -> None:
+        log.append("call")
+        time.sleep(0.001)
+    wall, _ = _staggered_calls(call, 0, rounds=3, work=work)
+    assert log == ["work", "call"] * 5
+    assert len(wall) == 3 and max(wall) < 0.008
+
+
 def test_a_gpipe_plan_is_predicted_at_its_microbatches():
     """Two stages of 1 ms forward and 2 ms backward per minibatch, free links, no optimizer time: GPipe
     with m microbatches takes (m + S - 1)(f + b)/m per minibatch, 5 x 0.75 = 3.75 ms at m = 4 (6 ms at
