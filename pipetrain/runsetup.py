@@ -212,8 +212,9 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
         steps.append(statistics.mean(t for ts in times[:workers] for t in ts))
     slowdown, step_s = (statistics.median(ratios) if workers > 1 else 1.0), statistics.median(steps)
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
-    # CPU per message and the backend's allreduce with nothing else running in the processes; then the
-    # time per message and our ring's while a thread of each computes, as a running job's compute does
+    # CPU per message with nothing else running in the processes, and the backend's allreduce after
+    # each rank's own training step; then the time per message and our ring's while a thread of each
+    # computes, as a running job's compute does
     cpu = _ping_pong(transport, rank, rounds, device)[1]
     allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
     stop = threading.Event()
@@ -294,10 +295,8 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
     small, large = (torch.zeros(world, block_size(n // 4, world, 1), device=device) for n in sizes)
     # the small one staggered, as a job's ranks arrive: each rank's own time, waiting included, is a
     # period of a ring that runs one allreduce after another; the mean over the ranks
-    mine = torch.tensor([statistics.median(_staggered_calls(lambda: ring_allreduce(small, None, get_codec(None)),
-                                                            rank, rounds)[0])], dtype=torch.float64, device=device)
-    dist.all_reduce(mine)
-    times = [float(mine) / world,
+    small_s = statistics.median(_staggered_calls(lambda: ring_allreduce(small, None, get_codec(None)), rank, rounds)[0])
+    times = [_mean_over_ranks(small_s, device),
              median_seconds(lambda: ring_allreduce(large, None, get_codec(None)), big_rounds, sync=dist.barrier)]
     hops, share = 2 * (world - 1), 2 * (world - 1) / world
     per_byte = max(0.0, times[1] - times[0]) / (share * (sizes[1] - sizes[0]))
@@ -357,9 +356,17 @@ def _allreduce_at_sync(kernel: Callable[[], Any], step_s: float, rank: int, roun
     wall, cpu = _staggered_calls(lambda: dist.all_reduce(flag), rank, count, kernel)
     last = torch.tensor(wall, dtype=torch.float64, device=device)
     dist.all_reduce(last, op=dist.ReduceOp.MIN)
-    mine = torch.tensor([statistics.median(cpu)], dtype=torch.float64, device=device)
-    dist.all_reduce(mine)
-    return statistics.mean(last.tolist()) / (2 * (dist.get_world_size() - 1)), float(mine) / dist.get_world_size()
+    return (statistics.mean(last.tolist()) / (2 * (dist.get_world_size() - 1)),
+            _mean_over_ranks(statistics.median(cpu), device))
+
+
+def _mean_over_ranks(value: float, device: torch.device) -> float:
+    """The mean of every rank's ``value`` (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()
 
 
 def _line(points: list[float]) -> tuple[float, float]:
