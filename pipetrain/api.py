@@ -437,7 +437,8 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     finally:
         torch.set_num_threads(before)
     if not under_torchrun():
-        measured.setup = measure_setup(workers, threads, model_step(model, tuple(batch), loss_fn))
+        measured.setup = measure_setup(workers, threads, model_step(model, tuple(batch), loss_fn),
+                                       ring_bytes=measured.parameter_bytes)
     return measured
 
 

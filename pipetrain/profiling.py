@@ -74,6 +74,11 @@ class Profile:
     def __len__(self) -> int:
         return len(self.layers)
 
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of every layer's parameters: the gradient a data-parallel step allreduces."""
+        return sum(layer.parameter_bytes for layer in self.layers)
+
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "device": self.device,
                 "batch_size": self.batch_size, "input_bytes": self.input_bytes, "meta": self.meta,

@@ -56,6 +56,9 @@ class Setup:
         allreduce_cpu_s: CPU seconds a worker spends in one 1-element ``all_reduce`` of the backend (a
             signal: CGDP sends two per chunk), waiting for the others included (:func:`_allreduce_at_sync`);
             0 when not measured.
+        ring_cpu_s, ring_cpu_s_per_byte: CPU seconds a rank spends in one step of our ring allreduce,
+            fixed and per byte of its block (:func:`pipetrain.costs.ring_allreduce_cpu_s`), with nothing
+            else running (:func:`_ring_cpu`); 0 when not measured, and the message figures stand in.
     """
 
     backend: str
@@ -73,6 +76,8 @@ class Setup:
     allreduce_latency_s: float = 0.0
     jitter_s: float = 0.0
     allreduce_cpu_s: float = 0.0
+    ring_cpu_s: float = 0.0
+    ring_cpu_s_per_byte: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
@@ -92,10 +97,18 @@ class Setup:
         """CPU seconds one message of ``nbytes`` costs one of its ends."""
         return costs.message_time(nbytes, self.message_cpu_s, self.message_cpu_s_per_byte)
 
+    def ring_cpu(self, workers: int, block_bytes: float) -> float:
+        """CPU seconds one rank spends in our ring allreduce over ``workers``, each step moving a block of
+        ``block_bytes``, as measured alone: the ring's own line, or in a set-up saved without it a send
+        and a receive of the block per step."""
+        if self.ring_cpu_s > 0:
+            return costs.ring_allreduce_cpu_s(workers, block_bytes, self.ring_cpu_s, self.ring_cpu_s_per_byte)
+        return 2 * costs.ring_allreduce_cpu_s(workers, block_bytes, self.message_cpu_s, self.message_cpu_s_per_byte)
+
     def shared_cpu(self, nbytes: float) -> float:
-        """CPU seconds one message end takes from the worker's compute: all of it when the worker has
-        under 2 cores (its transport threads then run on the cores it computes on), else none
-        (:func:`pipetrain.costs.shared_core_compute_s`)."""
+        """Seconds one message end takes from the worker's compute: none with 2 or more cores each, else
+        its CPU (its transport threads then run on the cores it computes on), over the worker's share of
+        a core where workers outnumber the cores (:func:`pipetrain.costs.shared_core_compute_s`)."""
         return costs.shared_core_compute_s(0.0, 0.0, self.message_cpu(nbytes), self.cores_per_worker)
 
     @staticmethod
@@ -115,7 +128,8 @@ class Setup:
                 f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
                 f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B, "
                 f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step and "
-                f"{1e6 * self.allreduce_cpu_s:.0f} us of CPU, 10 ms of compute "
+                f"{1e6 * self.allreduce_cpu_s:.0f} us of CPU, ring CPU {1e6 * self.ring_cpu_s:.0f} us per step + "
+                f"{1e9 * self.ring_cpu_s_per_byte:.2f} ns/B, 10 ms of compute "
                 f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms")
 
 
@@ -125,7 +139,7 @@ Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
 
 def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None = None, seconds: float = 0.3,
                   rounds: int = 20, timeout: float = 60.0, launch: Launcher | None = None,
-                  compute_rounds: int = 3) -> Setup:
+                  compute_rounds: int = 3, ring_bytes: int | None = None) -> Setup:
     """Measure the set-up of ``workers`` worker processes of ``threads`` torch threads on this machine.
 
     It starts max(2, ``workers``) processes with ``launch`` (default: the runtime's launcher; the
@@ -139,13 +153,18 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     message end (and the backend's ``all_reduce`` of 1 element among every rank, as a job's sync meets
     it: :func:`_allreduce_at_sync`); then while a thread of every rank runs ``kernel``, as the compute
     threads of a running job do, for the time per message (its transport threads then wait for a core)
-    and our ring's line.
+    and our ring's line. Our ring's CPU is measured with nothing else running (:func:`_ring_cpu`) at
+    ``ring_bytes`` (the job's gradient: pass the model's parameter bytes) and a quarter of it, where a
+    codec's payloads lie, else at two of :data:`RING_BYTES`.
     """
     from pipetrain.runtime.launch import spawn
 
     kernel = kernel or functools.partial(_matmul, 256)
     run = launch or (lambda fn, args, world: spawn(fn, world, args, describe="set-up probe {}".format))
-    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds), max(2, workers))
+    big = RING_BYTES[2] if ring_bytes is None else min(RING_CPU_MAX_BYTES, max(ring_bytes, 4 * RING_BYTES[0]))
+    sizes = (RING_BYTES[1], big) if ring_bytes is None else (big // 4, big)
+    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, sizes),
+                  max(2, workers))
     return Setup(**results[0])
 
 
@@ -189,7 +208,7 @@ def _jitter(calls: list[list[float]]) -> float:
 
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
-           timeout: float, compute_rounds: int) -> dict[str, Any]:
+           timeout: float, compute_rounds: int, ring_cpu_bytes: tuple[int, int]) -> dict[str, Any]:
     """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields."""
     import torch.distributed as dist
 
@@ -212,11 +231,12 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
         steps.append(statistics.mean(t for ts in times[:workers] for t in ts))
     slowdown, step_s = (statistics.median(ratios) if workers > 1 else 1.0), statistics.median(steps)
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
-    # CPU per message with nothing else running in the processes, and the backend's allreduce after
-    # each rank's own training step; then the time per message and our ring's while a thread of each
-    # computes, as a running job's compute does
+    # CPU per message and our ring's CPU with nothing else running in the processes, and the backend's
+    # allreduce after each rank's own training step; then the time per message and our ring's while a
+    # thread of each computes, as a running job's compute does
     cpu = _ping_pong(transport, rank, rounds, device)[1]
     allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
+    ring_cpu, ring_cpu_per_byte = _ring_cpu(rank, device, ring_cpu_bytes)
     stop = threading.Event()
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
@@ -233,7 +253,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
                 message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_copy_s_per_byte(device),
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
-                jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu)
+                jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
+                ring_cpu_s_per_byte=ring_cpu_per_byte)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -267,6 +288,8 @@ def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> 
 
 RING_BYTES = (1 << 16, 1 << 20, 1 << 25)
 """Gradient bytes of the small ring allreduce, and the bounds of the large one (:func:`_ring_line`)."""
+RING_CPU_MAX_BYTES = 1 << 27
+"""The largest gradient :func:`_ring_cpu` allreduces (a larger job's is priced from its line)."""
 RING_SECONDS = 0.1
 """About how long the large ring allreduce should take, judged from the ping-pong's seconds per byte."""
 
@@ -301,6 +324,37 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
     hops, share = 2 * (world - 1), 2 * (world - 1) / world
     per_byte = max(0.0, times[1] - times[0]) / (share * (sizes[1] - sizes[0]))
     return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
+
+
+def _ring_cpu(rank: int, device: torch.device, sizes: tuple[int, int], rounds: int = 3) -> tuple[float, float]:
+    """(CPU seconds per step, per byte of its block) of :func:`pipetrain.strategies.ring.ring_allreduce`
+    over every rank with nothing else running: ``rounds`` calls at each of two gradient ``sizes``
+    (bytes), lined up by a barrier, each rank's median CPU of its whole process (gloo's threads
+    included) averaged over the ranks, and the line of :func:`pipetrain.costs.ring_allreduce_cpu_s`
+    through the two. The line is not straight over all sizes: a block travels in 1 to 16 messages
+    ([Note: chunks] in :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB and
+    0.73 ms at 1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With a thread
+    of every rank computing it is about as much (3 ranks, 3.3 MB: 10.4 ms alone, 9.8 ms beside a
+    matmul loop)."""
+    import torch.distributed as dist
+
+    from pipetrain.strategies.compression import get_codec
+    from pipetrain.strategies.ring import block_size, ring_allreduce
+
+    world, codec = dist.get_world_size(), get_codec(None)
+    points = []
+    for nbytes in sizes:
+        blocks = torch.zeros(world, block_size(nbytes // 4, world, 1), device=device)
+        cpu = []
+        for _ in range(rounds + 1):  # the first warms the ring's buffers up
+            dist.barrier()
+            c0 = time.process_time()
+            ring_allreduce(blocks, None, codec)
+            cpu.append(time.process_time() - c0)
+        points.append((4 * blocks.shape[1], _mean_over_ranks(statistics.median(cpu[1:]), device) / (2 * (world - 1))))
+    (b0, t0), (b1, t1) = points
+    per_byte = max(0.0, t1 - t0) / (b1 - b0)
+    return max(0.0, t0 - b0 * per_byte), per_byte
 
 
 STAGGER_S = 0.002

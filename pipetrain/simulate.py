@@ -463,8 +463,9 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         comm_cpu_s, cores_per_worker: CPU seconds one allreduce costs a worker, and the cores each
             worker has: with fewer than 2, a stale strategy's compute side carries that CPU too
             (:func:`pipetrain.costs.shared_core_compute_s`; the simulator charges it to ``U``). Default:
-            from the profile's measured set-up (its 2(p-1) sends and receives, and the ring's
-            arithmetic), else 0 and unlimited.
+            from the profile's measured set-up (our ring's CPU alone,
+            :meth:`~pipetrain.runsetup.Setup.ring_cpu`, and the codec's arithmetic beyond its adds),
+            else 0 and unlimited.
 
     With a measured set-up in the profile, compute takes its ``slowdown`` times as long, every ring
     step the measured allreduce's latency more (our ring's for pipe-sgd, the backend's for ddp), at the
@@ -496,17 +497,18 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         update_s = costs.contended_s(whole.update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
     payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
-    arithmetic = costs.contended_s(ring_compute_seconds(codec, elements, workers), slowdown) \
-        if reduce_s is None or comm_cpu_s is None else 0.0
-    if reduce_s is None:  # a measured ring's seconds per byte hold its plain adds already
-        plain = 0.0 if setup is None or setup.ring_s_per_byte == 0 else arithmetic if not codec.lossy else \
-            costs.contended_s(ring_compute_seconds(get_codec(None), elements, workers), slowdown)
-        reduce_s = max(0.0, arithmetic - plain)
+    arithmetic = ring_compute_seconds(codec, elements, workers) if reduce_s is None or comm_cpu_s is None else 0.0
+    # beyond the plain adds, which a measured ring's seconds per byte and CPU hold already
+    plain = arithmetic if not codec.lossy or not arithmetic else ring_compute_seconds(get_codec(None), elements, workers)
+    extra = max(0.0, arithmetic - plain)
+    if reduce_s is None:
+        reduce_s = costs.contended_s(arithmetic if setup is None or setup.ring_s_per_byte == 0 else extra, slowdown)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
     latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
     comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) if workers > 1 else 0.0
-    if comm_cpu_s is None:  # each of the 2(p-1) steps sends one block and receives one; and the codec's work
-        comm_cpu_s = 0.0 if setup is None else 4 * (workers - 1) * setup.message_cpu(payload / workers) + arithmetic
+    if comm_cpu_s is None:  # CPU seconds of the ring's messages and adds, and the codec's work
+        comm_cpu_s = 0.0 if setup is None else \
+            setup.ring_cpu(workers, payload / workers) + (extra if setup.ring_cpu_s > 0 else arithmetic)
     if cores_per_worker is None:
         cores_per_worker = math.inf if setup is None else setup.cores_per_worker
     # our ring's A copies the gradient out of .grad on the compute thread

@@ -62,8 +62,9 @@ def test_prediction_groups_layers_into_the_papers_chunks() -> None:
 
 def test_signals_take_their_cpu_from_a_backward_on_shared_cores() -> None:
     """Two workers on one core: the summing thread's copies (4000 B x 1e-4 s) and each chunk's two
-    signals (0.2 s of CPU each) run on the core the backward uses, so the backward (3.75 s) ends 1.2 s
-    later with two chunks, 0.8 s with one; with a core each they overlap it."""
+    signals (0.2 s of CPU each) run on the core the backward uses, which both workers' share, so a CPU
+    second of them costs each worker 2 s: the backward (3.75 s) ends 2 x 1.2 s later with two chunks,
+    2 x 0.8 s with one; with a core each they overlap it."""
     def with_cores(cores: int) -> Profile:
         p = profile()
         p.setup = Setup(backend="gloo", workers=2, threads=1, cores=cores, slowdown=1.0, latency_s=0.0,
@@ -71,7 +72,7 @@ def test_signals_take_their_cpu_from_a_backward_on_shared_cores() -> None:
                         allreduce_cpu_s=0.2)
         return p
 
-    for chunk, by_hand in ((1, 3.75 + 0.4 + 4 * 0.2), (3, 3.75 + 0.4 + 2 * 0.2)):
+    for chunk, by_hand in ((1, 3.75 + 2 * (0.4 + 4 * 0.2)), (3, 3.75 + 2 * (0.4 + 2 * 0.2))):
         shared = predict_cgdp(with_cores(1), 1, chunk, copy_s_per_byte=1e-4, sum_s_per_byte=0.0, signal_s=0.0)
         assert shared.backward_s == pytest.approx(by_hand)
     roomy = predict_cgdp(with_cores(4), 1, 1, copy_s_per_byte=1e-4, sum_s_per_byte=0.0, signal_s=0.0)

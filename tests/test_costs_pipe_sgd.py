@@ -16,6 +16,16 @@ from pipetrain.schedule import validate
 from pipetrain.simulate import Link, predict_data_parallel
 
 
+def test_a_rings_cpu_and_where_it_is_charged_by_hand() -> None:
+    # 4 ranks: 2 (4 - 1) = 6 steps of 1 ms + 1000 B x 1 us/B
+    assert costs.ring_allreduce_cpu_s(4, 1000, 1e-3, 1e-6) == pytest.approx(6 * 2e-3)
+    # update 1 s, compute 2 s, 3 CPU seconds of communication: two cores each overlap it; one core each
+    # adds it; half a core each (every core busy with two workers' compute) adds it twice over
+    assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 2.0) == 3.0
+    assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 1.0) == 6.0
+    assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 0.5) == 9.0
+
+
 def test_equations_2_to_7_by_hand() -> None:
     # T = 10 iterations, l_up = 1, l_comp = 2, l_comm = 5 (seconds)
     assert costs.sync_sgd_time(10, 1, 2, 5) == 80                  # eq. 2: 10 (1 + 2 + 5)

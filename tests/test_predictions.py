@@ -37,11 +37,12 @@ def two_layers(with_setup: Setup | None) -> Profile:
 
 def test_a_measured_setup_times_every_action_as_worked_out_by_hand():
     """model-parallel, 2 stages, 1 minibatch. Compute is 2x slower (slowdown 2), a message takes
-    1 ms + 1000 B x 1 us/B = 2 ms on the wire and 0.2 ms of each end's CPU, an update 0.5 ms x 2."""
+    1 ms + 1000 B x 1 us/B = 2 ms on the wire and 0.2 ms of each end's CPU (0.4 ms of the sender's time:
+    two workers share the one core), an update 0.5 ms x 2."""
     result = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(setup()), [0, 1])
     got = [{a: (round(s / MS, 6), round(e / MS, 6)) for a, s, e in worker} for worker in result.trace]
-    by_hand_0 = {"F0": (0, 2), "SF0": (2, 2.2), "RB0": (2.2, 12.4), "B0": (12.4, 16.4), "U0": (16.4, 17.4)}
-    by_hand_1 = {"RF0": (0, 4.2), "F0": (4.2, 6.2), "B0": (6.2, 10.2), "SB0": (10.2, 10.4), "U0": (10.4, 11.4)}
+    by_hand_0 = {"F0": (0, 2), "SF0": (2, 2.4), "RB0": (2.4, 12.8), "B0": (12.8, 16.8), "U0": (16.8, 17.8)}
+    by_hand_1 = {"RF0": (0, 4.4), "F0": (4.4, 6.4), "B0": (6.4, 10.4), "SB0": (10.4, 10.8), "U0": (10.8, 11.8)}
     assert got == [by_hand_0, by_hand_1]
     # without a set-up: the layer profile alone, the optimizer step included
     plain = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(None), [0, 1])
@@ -69,13 +70,30 @@ def test_gradient_allreduces_are_priced_with_the_measured_allreduces_not_the_mes
     assert without.comm_s == pytest.approx(2 * 1 * MS + 800 * 1e-6)
 
 
+def test_pipe_sgd_charges_the_rings_measured_cpu_spread_over_the_shared_cores():
+    """Both layers (800 parameter bytes) on 4 workers: a ring block of 200 B. The measured ring costs
+    1 ms + 1 us/B of CPU per step, so one allreduce 2 (4-1) (1 + 0.2) = 7.2 ms. Compute and the
+    update (2 x 0.5 ms) run 2x slower all at once. With half a core each, the ring's CPU costs a worker
+    twice its time; with one, its time; with two, nothing; a set-up saved before the ring's CPU was
+    measured prices a send and a receive of the block per step (2 x 6 x 0.2 ms), and the adds."""
+    def step_s(**changes: float) -> float:
+        measured = setup(**{"workers": 4, "ring_cpu_s": 1 * MS, "ring_cpu_s_per_byte": 1e-6, **changes})
+        return predict_data_parallel(two_layers(measured), "pipe-sgd", 4, Link(), reduce_s=0.0).update_s
+
+    assert step_s(cores=2) == pytest.approx(2 * MS + 2 * 7.2 * MS)
+    assert step_s(cores=4) == pytest.approx(2 * MS + 7.2 * MS)
+    assert step_s(cores=8) == pytest.approx(2 * MS)
+    # ... and the ring's adds apart, timed here: microseconds for 50 floats
+    assert step_s(cores=4, ring_cpu_s=0.0) == pytest.approx(2 * MS + 2 * 6 * 0.2 * MS, abs=0.05 * MS)
+
+
 def test_starting_a_replicated_stages_allreduce_costs_a_message_ends_cpu():
     """The same stage on 2 workers that share one core: its A, which starts the allreduce of the last
-    (here the only) bucket, takes a message end's CPU of those 800 bytes (0.2 ms), and the allreduce
-    (2 x 0.5 ms + 800 B x 2 us/B) runs after it."""
+    (here the only) bucket, takes a message end's CPU of those 800 bytes (0.2 ms, 0.4 ms of the worker's
+    time on half a core), and the allreduce (2 x 0.5 ms + 800 B x 2 us/B) runs after it."""
     measured = setup(slowdown=1.0, allreduce_latency_s=0.5 * MS, ring_s_per_byte=2e-6)
     times = {a: (s, e) for a, s, e in simulate(build_schedule("pipedream", [2], 4), two_layers(measured), [0]).trace[0]}
-    assert times["A0"][1] - times["A0"][0] == pytest.approx(0.2 * MS)
+    assert times["A0"][1] - times["A0"][0] == pytest.approx(0.4 * MS)
     assert times["S0"][1] - times["A0"][1] == pytest.approx(2 * 0.5 * MS + 800 * 2e-6)
 
 
@@ -148,13 +166,15 @@ def test_the_probes_jitter_is_the_variance_of_every_workers_calls_per_second():
 def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with_messages():
     fields = {k: v for k, v in dataclasses.asdict(setup()).items() if "ring" not in k and "allreduce" not in k}
     old = Setup.from_dict(fields, _field)
-    assert (old.ring_latency_s, old.ring_s_per_byte, old.allreduce_latency_s, old.allreduce_cpu_s) == (0.0,) * 4
+    assert (old.ring_latency_s, old.ring_s_per_byte, old.allreduce_latency_s, old.allreduce_cpu_s,
+            old.ring_cpu_s, old.ring_cpu_s_per_byte) == (0.0,) * 6
     assert old.allreduce_terms(ours=True) == old.allreduce_terms(ours=False) == (old.latency_s, old.s_per_byte)
 
 
 def test_the_setup_probe_measures_both_allreduces_among_the_workers():
-    measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1)
+    measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18)
     assert measured.ring_s_per_byte > 0 and measured.allreduce_latency_s > 0 and measured.allreduce_cpu_s > 0
+    assert measured.ring_cpu(2, 1 << 17) > 0 and "ring CPU" in measured.describe()
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
     assert "ring" in measured.describe() and "allreduce" in measured.describe()

@@ -273,7 +273,7 @@ def _choose(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: floa
     profile = _profile(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))
     shard = peer.spec.dataset(cfg.batch_size // cfg.workers, seed=peer.seed + 1)[:]
     profile.setup = measure_setup(cfg.workers, cfg.threads, model_step(peer.build(), tuple(shard), peer.spec.loss_fn),
-                                  launch=launch)
+                                  launch=launch, ring_bytes=profile.parameter_bytes)
     log(f"auto: set-up {profile.setup.describe()}")
     names = [n for n in CANDIDATES if AUTO_SYSTEM.get(n, n) in cfg.systems]
     choice = choose_strategy(profile, cfg.workers, None if link_bps is None else link_bps / 8,

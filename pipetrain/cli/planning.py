@@ -133,7 +133,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
         torch.set_num_threads(before)
     if args.setup:
         kernel = model_step(model, tuple(batch), loss_fn) if loss_fn is not None else None
-        profile.setup = measure_setup(args.setup, threads, kernel)
+        profile.setup = measure_setup(args.setup, threads, kernel, ring_bytes=profile.parameter_bytes)
         print(f"set-up: {profile.setup.describe()}")
     profile.save(args.output)
     print("  layer  forward ms  backward ms  output KB  name (submodule:operator)")
