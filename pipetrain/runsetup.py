@@ -333,7 +333,7 @@ def _ring_cpu(rank: int, device: torch.device, sizes: tuple[int, int], rounds: i
     included) averaged over the ranks, and the line of :func:`pipetrain.costs.ring_allreduce_cpu_s`
     through the two. The line is not straight over all sizes: a block travels in 1 to 16 messages
     ([Note: chunks] in :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB and
-    0.73 ms at 1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With a thread
+    0.69-0.73 ms at 1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With a thread
     of every rank computing it is about as much (3 ranks, 3.3 MB: 10.4 ms alone, 9.8 ms beside a
     matmul loop)."""
     import torch.distributed as dist
