@@ -236,7 +236,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     # thread of each computes, as a running job's compute does
     cpu = _ping_pong(transport, rank, rounds, device)[1]
     allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
-    ring_cpu, ring_cpu_per_byte = _ring_cpu(rank, device, ring_cpu_bytes)
+    ring_cpu, ring_cpu_per_byte = _ring_cpu(device, ring_cpu_bytes)
     stop = threading.Event()
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
@@ -326,16 +326,16 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
     return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
 
 
-def _ring_cpu(rank: int, device: torch.device, sizes: tuple[int, int], rounds: int = 3) -> tuple[float, float]:
+def _ring_cpu(device: torch.device, sizes: tuple[int, int], rounds: int = 3) -> tuple[float, float]:
     """(CPU seconds per step, per byte of its block) of :func:`pipetrain.strategies.ring.ring_allreduce`
     over every rank with nothing else running: ``rounds`` calls at each of two gradient ``sizes``
     (bytes), lined up by a barrier, each rank's median CPU of its whole process (gloo's threads
     included) averaged over the ranks, and the line of :func:`pipetrain.costs.ring_allreduce_cpu_s`
     through the two. The line is not straight over all sizes: a block travels in 1 to 16 messages
-    ([Note: chunks] in :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB and
-    0.69-0.73 ms at 1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With a thread
-    of every rank computing it is about as much (3 ranks, 3.3 MB: 10.4 ms alone, 9.8 ms beside a
-    matmul loop)."""
+    ([Note: chunks] in :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB
+    and 0.69-0.73 ms at 1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With
+    a thread of every rank computing it is about as much (3 ranks, 3.3 MB: 10.4 ms alone, 9.8 ms beside
+    a matmul loop)."""
     import torch.distributed as dist
 
     from pipetrain.strategies.compression import get_codec
