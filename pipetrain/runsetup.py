@@ -342,19 +342,18 @@ def _ring_cpu(device: torch.device, sizes: tuple[int, int], rounds: int = 3) -> 
     from pipetrain.strategies.ring import block_size, ring_allreduce
 
     world, codec = dist.get_world_size(), get_codec(None)
-    points = []
-    for nbytes in sizes:
-        blocks = torch.zeros(world, block_size(nbytes // 4, world, 1), device=device)
+    block = [block_size(nbytes // 4, world, 1) for nbytes in sizes]  # elements per rank's block
+    per_step = []
+    for b in block:
+        blocks = torch.zeros(world, b, device=device)
         cpu = []
         for _ in range(rounds + 1):  # the first warms the ring's buffers up
             dist.barrier()
             c0 = time.process_time()
             ring_allreduce(blocks, None, codec)
             cpu.append(time.process_time() - c0)
-        points.append((4 * blocks.shape[1], _mean_over_ranks(statistics.median(cpu[1:]), device) / (2 * (world - 1))))
-    (b0, t0), (b1, t1) = points
-    per_byte = max(0.0, t1 - t0) / (b1 - b0)
-    return max(0.0, t0 - b0 * per_byte), per_byte
+        per_step.append(_mean_over_ranks(statistics.median(cpu[1:]), device) / (2 * (world - 1)))
+    return _line(per_step, (4 * block[0], 4 * block[1]))
 
 
 STAGGER_S = 0.002
@@ -423,11 +422,11 @@ def _mean_over_ranks(value: float, device: torch.device) -> float:
     return float(total) / dist.get_world_size()
 
 
-def _line(points: list[float]) -> tuple[float, float]:
-    """(intercept at 0 bytes, slope per byte) of the line through :data:`MESSAGE_SIZES` and ``points``,
+def _line(points: list[float], sizes: tuple[int, int] = MESSAGE_SIZES) -> tuple[float, float]:
+    """(intercept at 0 bytes, slope per byte) of the line through ``sizes`` (bytes) and ``points``,
     neither below 0."""
-    slope = max(0.0, points[1] - points[0]) / (MESSAGE_SIZES[1] - MESSAGE_SIZES[0])
-    return max(0.0, points[0] - MESSAGE_SIZES[0] * slope), slope
+    slope = max(0.0, points[1] - points[0]) / (sizes[1] - sizes[0])
+    return max(0.0, points[0] - sizes[0] * slope), slope
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,

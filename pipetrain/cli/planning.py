@@ -296,7 +296,7 @@ def _simulate_cgdp(args: argparse.Namespace, profile: Profile) -> None:
         raise ValueError("--staleness and --compression apply to --strategy pipe-sgd, not cgdp")
     if args.chunk < 1:
         raise ValueError(f"--chunk {args.chunk}: give the layers per chunk, at least 1")
-    host = measure_host_costs(min(sum(x.parameter_bytes for x in profile.layers) // 4, 1 << 24), args.workers)
+    host = measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), args.workers)
     result = predict_cgdp(profile, args.workers, args.chunk, batch_size=args.batch_size, update_s=args.update_s,
                           signal_s=args.sync_latency, cores_per_worker=(os.cpu_count() or 1) / args.workers,
                           minibatches=args.minibatches or 16, **host)

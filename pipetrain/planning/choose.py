@@ -200,7 +200,7 @@ def _best_chunk(profile: Profile, workers: int, batch: int, host: dict[str, floa
 
     units = sum(1 for x in profile.layers if x.parameter_bytes)
     if host is None:
-        host = measure_host_costs(min(sum(x.parameter_bytes for x in profile.layers) // 4, 1 << 24), workers)
+        host = measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), workers)
     # a signal is a 1-element allreduce among the machine's workers: 2 (L - 1) messages
     signal = 0.0 if profile.setup is None else float(ring_allreduce_time(
         workers, 4.0, *profile.setup.allreduce_terms(ours=False), 0.0))

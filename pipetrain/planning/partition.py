@@ -186,7 +186,7 @@ def _one_stage(profile: Profile, workers: int, topo: Topology, allreduce: str) -
     terms = _Terms.of(profile.setup)
     bw = topo.intra_bandwidth if workers <= topo.workers_per_server else topo.inter_bandwidth
     work = stage_work_s(sum(x.compute_s + x.optimizer_s for x in profile.layers), 0.0, 0.0, 0.0, terms.slowdown)
-    params = sum(float(x.parameter_bytes) for x in profile.layers)
+    params = float(profile.parameter_bytes)
     return StagePlan(0, len(profile) - 1, workers, float(terms.stage_s(work, params, workers, bw, allreduce)), 0.0)
 
 
@@ -307,7 +307,7 @@ def _stages(t: _Table, N: int, m: int, flag: int) -> list[StagePlan]:
 def _data_parallel_time(profile: Profile, M: int, topo: Topology, allreduce: str) -> float:
     """T(1 -> N, M): the whole model as one stage on all M workers (memory not checked)."""
     bw = topo.intra_bandwidth if M <= topo.workers_per_server else topo.inter_bandwidth
-    params = sum(float(x.parameter_bytes) for x in profile.layers)
+    params = float(profile.parameter_bytes)
     compute = sum(x.compute_s for x in profile.layers)
     return float(stage_time(compute, dp_sync_bytes(params, M, allreduce) / bw, M))
 
