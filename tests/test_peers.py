@@ -1,17 +1,21 @@
 """Peer runners (DDP, torch.distributed.pipelining, PS-Sync) for a few steps with gloo processes on loopback."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
 from pipetrain.bench.peers import PeerConfig, ddp, no_sync, ps_sync, summarize, torch_pipeline
-from pipetrain.runtime.launch import PipetrainError, spawn
+from pipetrain.runtime import launch
+from pipetrain.runtime.launch import PipetrainError
 
 # mnist-mlp at 784-16-16-10: 13,002 parameters. Layers: Flatten, Linear, ReLU, Linear, ReLU, Linear.
 TINY = PeerConfig(model="mnist-mlp", model_kwargs={"hidden": (16, 16)}, batch_size=16, warmup=1, windows=2,
                   steps_per_window=2, timeout_s=60)
+# A job stuck where gloo's timeout does not reach fails with its workers' stacks, not at pytest's limit.
+spawn = functools.partial(launch.spawn, timeout=3 * TINY.timeout_s)
 PARAMS = 784 * 16 + 16 + 16 * 16 + 16 + 16 * 10 + 10
 
 

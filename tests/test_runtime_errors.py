@@ -1,5 +1,6 @@
 """Bad input gets a one-line error before any process starts; dead or silent peers fail, never hang."""
 import functools
+import os
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.data import regression
+from pipetrain.runtime.launch import PipetrainError, spawn
 from pt_models import FaultAt, Untraceable, mlp, nan_loss
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
@@ -85,6 +87,39 @@ def test_silent_peer_times_out_and_is_named():
         train(model=with_fault(FaultAt(3, "hang")), stages=[0, 2, 5, 7], timeout=3)
     assert time.monotonic() - t0 < 30  # and no process is left: spawn() kills them before raising
 
+
+
+def _wait_forever(holds_the_gil: int | None) -> None:
+    """A worker that never returns: asleep with the GIL free (its heartbeat goes on), or, as rank
+    ``holds_the_gil``, in a C call that holds the GIL (its heartbeat stops)."""
+    if holds_the_gil == int(os.environ["RANK"]):
+        import ctypes
+        ctypes.PyDLL(None).sleep(60)  # libc's sleep(3); PyDLL keeps the GIL through the call
+    while True:
+        time.sleep(1)
+
+
+def test_a_job_past_its_time_limit_is_stopped_with_every_workers_stack(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(PipetrainError, match=r"^rank 0, rank 1 still running after 3s, the job's time limit; the "
+                       r"workers were stopped \(Python stacks: .*pipetrain-stacks-") as e:
+        spawn(_wait_forever, 2, (None,), timeout=3, log_dir=tmp_path)
+    assert time.monotonic() - t0 < 20
+    assert e.value.kind == "timeout" and e.value.log.parent == tmp_path
+    stacks = e.value.log.read_text().split("== rank ")[1:]
+    assert [s.split("\n")[0] for s in stacks] == ["0", "1"]
+    assert all("in _wait_forever" in s for s in stacks)
+
+
+def test_a_worker_stuck_holding_the_gil_is_named_with_where_it_is_stuck(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(PipetrainError, match=r"^rank 1 went silent: no sign of life for [0-9]+s \(stopped, or stuck "
+                       r"in code that holds the GIL\); the other workers were stopped \(Python stacks: ") as e:
+        spawn(_wait_forever, 2, (1,), silent_after=2, log_dir=tmp_path)
+    assert time.monotonic() - t0 < 30
+    assert e.value.kind == "silent" and e.value.rank == 1
+    stacks = dict(s.split("\n", 1) for s in e.value.log.read_text().split("== rank ")[1:])
+    assert set(stacks) == {"0", "1"} and all("in _wait_forever" in s for s in stacks.values())
 
 def _descendants(pid: int) -> set[int]:
     """Every process below ``pid`` (from /proc's parent links)."""

@@ -165,15 +165,16 @@ def run_suite(cfg: SuiteConfig, log: Callable[[str], None] = lambda line: None) 
     reason = None if cfg.loopback else unavailable_reason()
     if reason:
         log(f"{reason}; running on loopback")
+    job_limit_s = 3 * cfg.timeout_s
     if cfg.loopback or reason:
-        report = _run_all(cfg, lambda fn, args, world: spawn(fn, world, args), "loopback", log)
+        report = _run_all(cfg, lambda fn, args, world: spawn(fn, world, args, timeout=job_limit_s), "loopback", log)
         report["note"] = reason
     else:
         with EmulatedCluster(cfg.hosts, link=cfg.link) as cluster:
             ports = iter(range(29600, 30600))  # a fresh port per job: no waiting on the last job's sockets
 
             def launch(fn: Callable[..., Any], args: tuple, world: int) -> list[Any]:
-                return cluster.spawn(fn, args, world=world, port=next(ports), timeout=3 * cfg.timeout_s)
+                return cluster.spawn(fn, args, world=world, port=next(ports), timeout=job_limit_s)
             # what the link carries (TCP payload, one direction): DDP's rate is bounded by it
             link_bps = socket_throughput(cluster, 0, 1, seconds=2.0)["bits_per_s"]
             log(f"host 0 -> host 1 socket throughput: {link_bps / 1e6:.0f} Mbit/s")

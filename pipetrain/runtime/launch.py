@@ -11,6 +11,7 @@ others are stopped at once and the first failure's one-line message is raised in
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import multiprocessing as mp
 import multiprocessing.util
@@ -40,7 +41,8 @@ class PipetrainError(RuntimeError):
             ended without one: killed, crashed), ``"silent"`` (a worker stopped showing signs of life) or
             ``"unstarted"`` (a worker process never began its task; ``spawn`` starts the job again).
         rank: the worker the message is about, or None.
-        log: the file holding every failed worker's traceback, or None.
+        log: the file holding every failed worker's traceback (or, for a silent or timed-out job, every
+            running worker's Python stacks), or None.
         history: what the run had recorded (``TrainResult.history`` records) when it failed.
         checkpoint_epoch: the newest epoch every worker saved, or None.
     """
@@ -133,6 +135,7 @@ def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, calle
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it stops the workers
     _die_with_caller(caller, (workdir, mp_dir))
     _heartbeat(_beat(workdir, rank))
+    _stacks_on_request(Path(workdir) / f"stacks{rank}.txt")
     keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1", PIPETRAIN_WORKDIR=workdir)
@@ -153,18 +156,22 @@ def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, calle
 
 def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[int], str] = "rank {}".format,
           poll_s: float = 0.05, silent_after: float | None = None,
-          log_dir: str | os.PathLike | None = None) -> list[Any]:
+          log_dir: str | os.PathLike | None = None, timeout: float | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``world`` processes with RANK/WORLD_SIZE set; return each rank's result.
 
     Results travel through ``torch.save``/``torch.load(weights_only=True)``: plain data and tensors.
     Each worker shows a sign of life every HEARTBEAT_S; one that shows none for ``silent_after``
-    seconds (stopped, hung) is named and the job stopped. The rendezvous listens on 127.0.0.1 only,
-    on a free port.
+    seconds (stopped, hung) is named and the job stopped. A job still running ``timeout`` seconds
+    after it started is stopped too (a worker waiting forever in code that lets the heartbeat go on).
+    Before a silent or timed-out job is stopped, each running worker writes every thread's Python
+    stack (``faulthandler``) to a file the message names: where it was stuck. The rendezvous listens
+    on 127.0.0.1 only, on a free port.
 
     Raises:
-        PipetrainError: a worker raised (its first line is the message), died or went silent; every
-            failed worker's traceback is kept in a file under ``log_dir`` (default: the temporary
-            directory) that the message names, and the history the workers streamed rides along.
+        PipetrainError: a worker raised (its first line is the message), died or went silent, or the
+            job ran past ``timeout``; every failed worker's traceback is kept in a file under
+            ``log_dir`` (default: the temporary directory) that the message names, and the history the
+            workers streamed rides along.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "pipetrain"])  # once per caller process
@@ -174,7 +181,7 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[i
     payload = pickle.dumps((fn, args))
     for attempt in range(PORT_TRIES):
         try:
-            return _spawn_once(ctx, payload, world, _free_port(), describe, poll_s, silent_after, log_dir)
+            return _spawn_once(ctx, payload, world, _free_port(), describe, poll_s, silent_after, log_dir, timeout)
         except PipetrainError as e:
             if (_PORT_TAKEN not in str(e) and e.kind != "unstarted") or attempt == PORT_TRIES - 1:
                 raise
@@ -191,7 +198,7 @@ _PORT_TAKEN = "on 127.0.0.1 is in use"
 
 
 def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Callable[[int], str], poll_s: float,
-                silent_after: float | None, log_dir: str | os.PathLike | None) -> list[Any]:
+                silent_after: float | None, log_dir: str | os.PathLike | None, timeout: float | None) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
         mp_dir = multiprocessing.util.get_temp_dir()  # the fork server's socket lives there
         procs = [ctx.Process(target=_child, args=(r, world, port, workdir, payload, os.getpid(), mp_dir),
@@ -217,9 +224,14 @@ def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Calla
                 silent = _silent(workdir, procs, silent_after)
                 if silent is not None:
                     rank, age = silent
-                    raise _with_history(PipetrainError(
-                        f"{describe(rank)} went silent: no sign of life for {age:.0f}s (stopped, or stuck in code "
-                        "that holds the GIL); the other workers were stopped", "silent", rank), workdir)
+                    raise _stuck(f"{describe(rank)} went silent: no sign of life for {age:.0f}s (stopped, or stuck in "
+                                 "code that holds the GIL); the other workers were stopped", "silent", rank, workdir,
+                                 procs, log_dir)
+                if timeout is not None and time.monotonic() - since > timeout:
+                    running = [r for r, p in enumerate(procs) if p.exitcode is None]
+                    raise _stuck(f"{', '.join(map(describe, running))} still running after {timeout:g}s, the job's "
+                                 "time limit; the workers were stopped", "timeout", running[0], workdir, procs,
+                                 log_dir)
                 time.sleep(poll_s)
             failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
             if failed:
@@ -257,16 +269,54 @@ def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[i
                 how += _before_task()
             messages[r], order[r] = f"{describe(r)} {how}", 0
     rank = min(failed, key=lambda r: (order[r], r))
-    log = None
-    if texts:
-        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        log = Path(log_dir or tempfile.gettempdir()) / f"pipetrain-failure-{stamp}.log"
-        try:
-            log.write_text("\n".join(texts))
-        except OSError:
-            log = None
+    log = _keep("failure", texts, log_dir)
     message = messages[rank] + (f" (tracebacks: {log})" if log else "")
     return _with_history(PipetrainError(message, ("died", "error", "died")[order[rank]], rank, log), workdir)
+
+
+def _stacks_on_request(path: Path) -> None:
+    """Write every thread's Python stack to ``path`` when this process gets SIGUSR1 (``faulthandler``
+    writes from the signal handler, so it works even while a thread holds the GIL)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=open(path, "w"), all_threads=True)  # noqa: SIM115 - kept open
+    except (OSError, AttributeError, ValueError):  # no SIGUSR1 (Windows) or the directory is gone
+        pass
+
+
+STACKS_WAIT_S = 2.0
+"""How long a stopping job waits for its running workers to write their stacks."""
+
+
+def _stuck(message: str, kind: str, rank: int, workdir: str, procs: list,
+           log_dir: str | os.PathLike | None) -> PipetrainError:
+    """The error for a job that is stopped while its workers run: each running worker is asked for its
+    Python stacks first, kept in a file that the message names."""
+    running = [(r, p) for r, p in enumerate(procs) if p.exitcode is None]
+    for _, p in running:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(p.pid, signal.SIGUSR1)
+    files = [Path(workdir) / f"stacks{r}.txt" for r, _ in running]
+    deadline = time.monotonic() + STACKS_WAIT_S
+    while time.monotonic() < deadline and not all(f.exists() and f.stat().st_size for f in files):
+        time.sleep(0.05)
+    texts = [f"== rank {r}\n{f.read_text()}" for (r, _), f in zip(running, files) if f.exists() and f.stat().st_size]
+    log = _keep("stacks", texts, log_dir)
+    error = PipetrainError(message + (f" (Python stacks: {log})" if log else ""), kind, rank, log)
+    return _with_history(error, workdir)
+
+
+def _keep(what: str, texts: list[str], log_dir: str | os.PathLike | None) -> Path | None:
+    """``texts`` in a new file ``pipetrain-{what}-*.log`` under ``log_dir`` (default: the temporary
+    directory); None when there is nothing to keep or it cannot be written."""
+    if not texts:
+        return None
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    log = Path(log_dir or tempfile.gettempdir()) / f"pipetrain-{what}-{stamp}.log"
+    try:
+        log.write_text("\n".join(texts))
+    except OSError:
+        return None
+    return log
 
 
 def _beat(workdir: str, rank: int) -> Path:
