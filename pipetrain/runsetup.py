@@ -59,6 +59,8 @@ class Setup:
         ring_cpu_s, ring_cpu_s_per_byte: CPU seconds a rank spends in one step of our ring allreduce,
             fixed and per byte of its block (:func:`pipetrain.costs.ring_allreduce_cpu_s`), with nothing
             else running (:func:`_ring_cpu`); 0 when not measured, and the message figures stand in.
+        add_s_per_byte: adding memory into memory of the same size, per byte of one of them (a
+            microbatch's gradients added into ``.grad``); 0 when not measured.
     """
 
     backend: str
@@ -78,6 +80,7 @@ class Setup:
     allreduce_cpu_s: float = 0.0
     ring_cpu_s: float = 0.0
     ring_cpu_s_per_byte: float = 0.0
+    add_s_per_byte: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
@@ -251,7 +254,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     cpu_s, cpu_per_byte = _line(cpu)
     return dict(backend=dist.get_backend(), workers=workers, threads=threads, cores=os.cpu_count() or 1,
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
-                message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_copy_s_per_byte(device),
+                message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_memory_s_per_byte(device, torch.Tensor.copy_),
+                add_s_per_byte=_memory_s_per_byte(device, torch.Tensor.add_),
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
                 ring_cpu_s_per_byte=ring_cpu_per_byte)
@@ -445,9 +449,11 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,
     return statistics.median(times)
 
 
-def _copy_s_per_byte(device: torch.device, nbytes: int = 1 << 24) -> float:
-    """Seconds per byte of copying ``nbytes`` on ``device`` (median of 5)."""
-    a = torch.empty(nbytes // 4, device=device)
-    b = torch.empty_like(a)
-    return median_seconds(lambda: b.copy_(a), 5, sync=torch.cuda.synchronize if device.type == "cuda" else None) \
+def _memory_s_per_byte(device: torch.device, op: Callable[[torch.Tensor, torch.Tensor], Any],
+                       nbytes: int = 1 << 24) -> float:
+    """Seconds per byte of ``op(b, a)`` (``Tensor.copy_``, ``Tensor.add_``) on ``nbytes`` on ``device``
+    (median of 5)."""
+    a = torch.ones(nbytes // 4, device=device)
+    b = torch.ones_like(a)
+    return median_seconds(lambda: op(b, a), 5, sync=torch.cuda.synchronize if device.type == "cuda" else None) \
         / nbytes

@@ -24,8 +24,9 @@ format and :mod:`pipetrain.trace` draws both.
 
 [Note: run set-up] A profile that carries a measured :class:`pipetrain.runsetup.Setup` (workers on
 one machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`: compute (F,
-B, U, and on ``pipedream`` the copy of a new weight version at a stage that stashes) takes
-``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a transfer takes the measured
+B, U, on ``pipedream`` the copy of a new weight version at a stage that stashes, and in a backward
+after another since the stage's last update, as microbatches have, the add of its gradients into
+``.grad``: the set-up's ``add_s_per_byte``) takes ``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a transfer takes the measured
 message latency more, and the slower of the link's and the measured seconds per byte; a send and
 a receive take the CPU a message end costs from a worker with under 2 cores; a replicated stage's
 sync is a ring allreduce with the measured allreduce's latency per step and the ring's seconds per
@@ -239,6 +240,9 @@ class _Sim:
         # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
         self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and
                        s < len(stages) - 1 else 0.0 for s, c in enumerate(stages)]
+        # a backward after another since the last update adds its gradients into .grad (microbatches)
+        self.add_s = [0.0 if setup is None else c.parameter_bytes * setup.add_s_per_byte for c in stages]
+        self.grads_held = [False] * n
 
     def _transfer_s(self, nbytes: float) -> float:
         """Seconds one message occupies its link (see [Note: run set-up])."""
@@ -279,7 +283,8 @@ class _Sim:
             copy = self.copy_s[s] if new_version else 0.0
             return start + costs.contended_s(self.costs[s].forward_s / m + copy, self.slowdown)
         if a.kind == BACKWARD:
-            return start + costs.contended_s(self.costs[s].backward_s / m, self.slowdown)
+            add = self.add_s[s] if self.grads_held[w] else 0.0
+            return start + costs.contended_s(self.costs[s].backward_s / m + add, self.slowdown)
         if a.kind in SENDS:
             dst = self.sched.peer(w, a)
             assert dst is not None
@@ -312,12 +317,14 @@ class _Sim:
             self.busy_s[w] += seconds
         if a.kind == BACKWARD:
             self.last_backward[w] = self.clock[w]
+            self.grads_held[w] = True
         if a.kind == START_SYNC:
             self.starts[w] += 1
         elif a.kind == SYNC:
             self.waits[w] += 1
         elif a.kind == UPDATE:
             self.updates[w] += 1
+            self.grads_held[w] = False
             self.update_end[w].append(self.clock[w])
         elif a.kind == FORWARD:
             self.in_flight[w] += 1

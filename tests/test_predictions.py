@@ -49,6 +49,21 @@ def test_a_measured_setup_times_every_action_as_worked_out_by_hand():
     assert plain.makespan_s == pytest.approx((1 + 1 + 2 + 2 + 0.5) * MS)
 
 
+
+def test_a_microbatchs_backward_after_the_first_adds_its_gradients_into_grad():
+    """gpipe, one stage of both layers (800 parameter bytes), 3 microbatches, slowdown 2: F 2 ms / 3 x 2,
+    B 4 ms / 3 x 2; the second and third backward of a minibatch also add 800 B x 1 us/B into .grad
+    (0.8 ms x 2); the update (1 ms x 2) clears .grad, so the next minibatch's first backward adds nothing."""
+    result = simulate(build_schedule("gpipe", [1], 2, 3), two_layers(setup(add_s_per_byte=1e-6)), [0])
+    f, b, add, u = 4 / 3, 8 / 3, 1.6, 2.0
+    by_hand = [f, f, f, b, b + add, b + add, u] * 2
+    assert [(e - s) / MS for _, s, e in result.trace[0]] == pytest.approx(by_hand)
+    # a set-up saved before it was measured adds nothing, nor does a schedule of whole minibatches
+    assert Setup.from_dict({k: v for k, v in dataclasses.asdict(setup()).items() if k != "add_s_per_byte"},
+                           _field).add_s_per_byte == 0.0
+    whole = simulate(build_schedule("pipedream", [1], 2), two_layers(setup(add_s_per_byte=1e-6)), [0])
+    assert {round((e - s) / MS, 6) for a, s, e in whole.trace[0] if a.startswith("B")} == {8.0}
+
 def test_the_message_cpu_counts_only_when_a_worker_has_under_two_cores():
     roomy = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(setup(cores=8)), [0, 1])
     assert dict((a, e - s) for a, s, e in roomy.trace[0])["SF0"] == 0.0
@@ -179,6 +194,7 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
                                                    measured.ring_s_per_byte)
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
     assert measured.jitter_s >= 0 and "ms of compute" in measured.describe()
+    assert 0 < measured.copy_s_per_byte < 1e-7 and 0 < measured.add_s_per_byte < 1e-7  # over 10 MB/s
 
 
 def test_staggered_calls_time_the_call_alone_after_each_ranks_own_wait():

@@ -36,10 +36,11 @@ def profiles(by_batch: dict[int, Profile], stage_layers: list[tuple[int, int]], 
         cells = " | ".join(f"{f * 1e3:.2f} / {bw * 1e3:.2f}" for f, bw in stage_sums(pr, stage_layers))
         print(f"| batch {b} | {cells} |")
     print(f"\noptimizer step (U) per stage {', '.join(f'{u * 1e3:.2f}' for u in update)} ms -> update_s "
-          f"{sum(update) / len(update) * 1e3:.2f} ms. Not in the layer profile: pipedream's weight stash copy per "
+          f"{sum(update) / len(update) * 1e3:.2f} ms. Not in the layer profile, priced from the set-up's copy and add "
+          f"per byte: pipedream's weight stash copy per "
           f"minibatch ({', '.join(f'{c * 1e3:.2f}' for c in extras['stash_copy_s'])} ms per stage); adding one "
           f"microbatch's gradients into .grad ({', '.join(f'{c * 1e3:.2f}' for c in extras['accumulate_s'])} "
-          f"ms per stage); building a minibatch from the dataset ({extras['load_batch_s'] * 1e3:.2f} ms). One minor "
+          f"ms per stage). Not priced: building a minibatch from the dataset ({extras['load_batch_s'] * 1e3:.2f} ms). One minor "
           f"page fault costs {extras['page_fault_us']:.2f} µs.")
     print("CPU time of stage 0's F+B while stage 1's F+B runs in another process, over alone: " +
           ", ".join(f"{v:.3f} at batch {b}" for b, v in corun.items()))
