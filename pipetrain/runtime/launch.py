@@ -38,8 +38,9 @@ class PipetrainError(RuntimeError):
 
     Attributes:
         kind: ``"error"`` (a worker raised: its own error, such as a bad loss), ``"died"`` (a worker
-            ended without one: killed, crashed), ``"silent"`` (a worker stopped showing signs of life) or
-            ``"unstarted"`` (a worker process never began its task; ``spawn`` starts the job again).
+            ended without one: killed, crashed), ``"silent"`` (a worker stopped showing signs of life),
+            ``"timeout"`` (the job ran past ``spawn``'s ``timeout``) or ``"unstarted"`` (a worker process
+            never began its task; ``spawn`` starts the job again).
         rank: the worker the message is about, or None.
         log: the file holding every failed worker's traceback (or, for a silent or timed-out job, every
             running worker's Python stacks), or None.
