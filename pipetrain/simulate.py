@@ -28,8 +28,8 @@ B, U, on ``pipedream`` the copy of a new weight version at a stage that stashes,
 after another since the stage's last update, as microbatches have, the add of its gradients into
 ``.grad``: the set-up's ``add_s_per_byte``) takes ``slowdown`` times as long
 (:func:`~pipetrain.costs.contended_s`); a transfer takes the measured message latency more, and the
-slower of the link's and the measured seconds per byte; a send and a receive take the CPU a message end costs from a worker with under 2 cores; a replicated stage's
-sync is a ring allreduce with the measured allreduce's latency per step and the ring's seconds per
+slower of the link's and the measured seconds per byte; a send and a receive take the CPU a message
+end costs from a worker with under 2 cores; a replicated stage's sync is a ring allreduce with the measured allreduce's latency per step and the ring's seconds per
 byte (the slower of it and the link's), once per bucket of its gradient (:func:`pipetrain.strategies.allreduce.buckets`:
 the runtime's replicas allreduce in buckets), and its ``A``, which starts the last bucket's allreduce,
 takes the CPU of a message end of that bucket's bytes, as a send does (0.5-1.3 ms per ``A`` on the
