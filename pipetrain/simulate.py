@@ -22,21 +22,21 @@ format and :mod:`pipetrain.trace` draws both.
 * ``S`` lasts until its sync has ended (its record includes the wait);
 * ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers).
 
-[Note: run set-up] A profile that carries a measured :class:`pipetrain.runsetup.Setup` (workers on
-one machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`: compute (F,
-B, U, on ``pipedream`` the copy of a new weight version at a stage that stashes, and in a backward
-after another since the stage's last update, as microbatches have, the add of its gradients into
-``.grad``: the set-up's ``add_s_per_byte``) takes ``slowdown`` times as long
-(:func:`~pipetrain.costs.contended_s`); a transfer takes the measured message latency more, and the
-slower of the link's and the measured seconds per byte; a send and a receive take the CPU a message
-end costs from a worker with under 2 cores; a replicated stage's sync is a ring allreduce with the measured allreduce's latency per step and the ring's seconds per
-byte (the slower of it and the link's), once per bucket of its gradient (:func:`pipetrain.strategies.allreduce.buckets`:
-the runtime's replicas allreduce in buckets), and its ``A``, which starts the last bucket's allreduce,
-takes the CPU of a message end of that bucket's bytes, as a send does (0.5-1.3 ms per ``A`` on the
-demo's replicated stages, 4 workers sharing 2 cores, priced at nothing before). Replicas whose
-compute varies (the set-up's ``jitter_s``) do not arrive when simulated: a sync begins when the last
-of them is expected (:func:`~pipetrain.costs.last_arrival_s`, each replica's simulated start varied
-by its stage's contended forward and backward).
+[Note: run set-up] A profile that carries a measured :class:`pipetrain.runsetup.Setup` (workers on one
+machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`: compute (F, B, U, on
+``pipedream`` the copy of a new weight version at a stage that stashes, and in a backward after another
+since the stage's last update, as microbatches have, the add of its gradients into ``.grad``: the
+set-up's ``add_s_per_byte``) takes ``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a
+transfer takes the measured message latency more, and the slower of the link's and the measured seconds
+per byte; a send and a receive take the CPU a message end costs from a worker with under 2 cores; a
+replicated stage's sync is a ring allreduce with the measured allreduce's latency per step and the
+ring's seconds per byte (the slower of it and the link's), once per bucket of its gradient
+(:func:`pipetrain.strategies.allreduce.buckets`: the runtime's replicas allreduce in buckets), and its
+``A``, which starts the last bucket's allreduce, takes the CPU of a message end of that bucket's bytes,
+as a send does (0.5-1.3 ms per ``A`` on the demo's replicated stages, 4 workers sharing 2 cores, priced
+at nothing before). Replicas whose compute varies (the set-up's ``jitter_s``) do not arrive when
+simulated: a sync begins when the last of them is expected (:func:`~pipetrain.costs.last_arrival_s`,
+each replica's simulated start varied by its stage's contended forward and backward).
 
 Each link has a single sender, which issues transfers in program order, and every other time is a
 max over already known times, so event times do not depend on the order in which workers are
