@@ -20,7 +20,7 @@ from collections.abc import Container, Sequence
 from pathlib import Path
 
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, SYNC, UPDATE, Action, Schedule,
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, START_SYNC, SYNC, UPDATE, Action, Schedule,
 )
 
 Record = tuple[str, float, float]
@@ -35,6 +35,7 @@ _STYLE = {
     RECV_GRAD: ("send/receive", "#c8c8c8", 0.12),
     SEND_ACT: ("send/receive", "#c8c8c8", 0.12),
     SEND_GRAD: ("send/receive", "#c8c8c8", 0.12),
+    START_SYNC: ("gradient sync", "#dd8452", 0.25),
     SYNC: ("gradient sync", "#dd8452", 0.25),
     UPDATE: ("update", "#404040", 0.25),
 }

@@ -17,6 +17,9 @@ RUNTIME_LIKE = [[("F0", 100.0, 100.001), ("SF0", 100.001, 100.0011), ("RB0", 100
                  ("B0", 100.004, 100.006), ("U0", 100.006, 100.0061)],
                 [("RF0", 7.0, 7.0012), ("F0", 7.0012, 7.0022), ("B0", 7.0022, 7.0042),
                  ("SB0", 7.0042, 7.0043), ("U0", 7.0043, 7.0044)]]
+# a data-parallel rank (a stage on two workers): it hands its gradient to the sync (A), then waits (S)
+REPLICA = [[("F0", 0.0, 0.001), ("B0", 0.001, 0.003), ("A0", 0.003, 0.0031), ("S0", 0.0031, 0.004),
+            ("U0", 0.004, 0.0041)]]
 
 
 def test_aligned_shifts_each_rank_to_its_first_event_or_given_offsets():
@@ -42,11 +45,17 @@ def test_chrome_trace_structure(tmp_path):
     assert {e["cat"] for e in complete} == {"forward", "backward", "send/receive", "update"}
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {0: "stage 0", 1: "stage 1"}
+    write_chrome_trace(REPLICA, path)
+    cats = [e["cat"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert cats == ["forward", "backward", "gradient sync", "gradient sync", "update"]
 
 
 def test_png_timeline_written_for_runtime_and_simulated_traces(tmp_path):
     sim = simulate(build_schedule("pipedream", [1] * 4, 8), equal_profile(4), [0, 1, 2, 3])
-    for name, traces in (("runtime.png", RUNTIME_LIKE), ("sim.png", sim.trace)):
+    replicated = simulate(build_schedule("pipedream", [2], 4), equal_profile(1), [0])
+    assert "A0" in [text for text, _, _ in replicated.trace[0]]
+    for name, traces in (("runtime.png", RUNTIME_LIKE), ("sim.png", sim.trace), ("replicas.png", replicated.trace),
+                         ("replica.png", REPLICA)):
         path = tmp_path / name
         draw_timeline(traces, path, title=name)
         data = path.read_bytes()
