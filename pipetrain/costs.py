@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -274,6 +275,21 @@ def message_time(nbytes: Num, latency_s: Num, s_per_byte: Num) -> Num:
     Pipe-SGD §3.1 uses for its ring); also the CPU one message costs an end, with α and β measured
     as CPU seconds."""
     return latency_s + nbytes * s_per_byte
+
+
+def busy_latency_s(idle_s: float, busy_s: float, end_shares: Sequence[float]) -> float:
+    """A message's latency between the two the set-up measures, ``idle_s`` (nothing else running in the
+    two processes) and ``busy_s`` (a thread of each computing throughout), by how busy its two ends are:
+    an end whose worker computes a share u of the time delays the message as a busy end does with
+    chance u (its transport threads wait for the core and the interpreter its compute holds), so
+    ``idle + (busy - idle) (1 - prod(1 - u))``; both ends always busy give ``busy_s`` (ours; the papers
+    price a message by the link alone). Without an idle figure (0), ``busy_s``."""
+    if idle_s <= 0:
+        return busy_s
+    idle = 1.0
+    for u in end_shares:
+        idle *= 1.0 - min(max(u, 0.0), 1.0)
+    return idle_s + max(busy_s - idle_s, 0.0) * (1.0 - idle)
 
 
 def contended_s(seconds: Num, slowdown: float) -> Num:

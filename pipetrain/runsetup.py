@@ -39,6 +39,9 @@ class Setup:
             alone (1: no contention; 2: four single-thread workers on two cores).
         latency_s, s_per_byte: one message's one-way time between two workers while every worker computes,
             as a line through two sizes (:data:`MESSAGE_SIZES`).
+        idle_latency_s: the same line's latency with nothing else running in the two processes; 0 when
+            not measured (a message then always takes ``latency_s``: see
+            :func:`pipetrain.costs.busy_latency_s`).
         message_cpu_s, message_cpu_s_per_byte: CPU seconds a message costs one end (all the threads of
             the process: transport, gloo), as a line through the same sizes.
         copy_s_per_byte: copying memory (a stashed weight version, a gradient buffer).
@@ -81,6 +84,7 @@ class Setup:
     ring_cpu_s: float = 0.0
     ring_cpu_s_per_byte: float = 0.0
     add_s_per_byte: float = 0.0
+    idle_latency_s: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
@@ -127,8 +131,8 @@ class Setup:
     def describe(self) -> str:
         """One line for people."""
         return (f"{self.workers} workers x {self.threads} threads on {self.cores} cores (compute {self.slowdown:.2f}x "
-                f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us + "
-                f"{1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
+                f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us (idle "
+                f"{1e6 * self.idle_latency_s:.0f}) + {1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
                 f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B, "
                 f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step and "
                 f"{1e6 * self.allreduce_cpu_s:.0f} us of CPU, ring CPU {1e6 * self.ring_cpu_s:.0f} us per step + "
@@ -152,8 +156,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     the rounds of the ranks' mean time per call over rank 0's alone, and ``jitter_s`` the median of
     how much those calls varied (:func:`_jitter`). Messages: ranks 0 and 1 play
     ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
-    half a round trip: first with nothing else running in the two processes, for the CPU time per
-    message end (and the backend's ``all_reduce`` of 1 element among every rank, as a job's sync meets
+    half a round trip: first with nothing else running in the two processes, for the idle latency and
+    the CPU time per message end (and the backend's ``all_reduce`` of 1 element among every rank, as a job's sync meets
     it: :func:`_allreduce_at_sync`); then while a thread of every rank runs ``kernel``, as the compute
     threads of a running job do, for the time per message (its transport threads then wait for a core)
     and our ring's line. Our ring's CPU is measured with nothing else running (:func:`_ring_cpu`) at
@@ -237,7 +241,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     # CPU per message and our ring's CPU with nothing else running in the processes, and the backend's
     # allreduce after each rank's own training step; then the time per message and our ring's while a
     # thread of each computes, as a running job's compute does
-    cpu = _ping_pong(transport, rank, rounds, device)[1]
+    idle, cpu = _ping_pong(transport, rank, rounds, device)
     allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
     ring_cpu, ring_cpu_per_byte = _ring_cpu(device, ring_cpu_bytes)
     stop = threading.Event()
@@ -252,13 +256,14 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     if rank != 0:
         return {}
     cpu_s, cpu_per_byte = _line(cpu)
+    idle_latency = _line(idle)[0]
     return dict(backend=dist.get_backend(), workers=workers, threads=threads, cores=os.cpu_count() or 1,
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
                 message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_memory_s_per_byte(device, torch.Tensor.copy_),
                 add_s_per_byte=_memory_s_per_byte(device, torch.Tensor.add_),
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
-                ring_cpu_s_per_byte=ring_cpu_per_byte)
+                ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:

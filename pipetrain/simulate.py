@@ -27,8 +27,9 @@ machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs
 ``pipedream`` the copy of a new weight version at a stage that stashes, and in a backward after another
 since the stage's last update, as microbatches have, the add of its gradients into ``.grad``: the
 set-up's ``add_s_per_byte``) takes ``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a
-transfer takes the measured message latency more, and the slower of the link's and the measured seconds
-per byte; a send and a receive take the CPU a message end costs from a worker with under 2 cores; a
+transfer takes the measured message latency more (between the idle and the busy one, by how much of the
+time its two ends compute: :func:`_run`), and the slower of the link's and the measured seconds per
+byte; a send and a receive take the CPU a message end costs from a worker with under 2 cores; a
 replicated stage's sync is a ring allreduce with the measured allreduce's latency per step and the
 ring's seconds per byte (the slower of it and the link's), once per bucket of its gradient
 (:func:`pipetrain.strategies.allreduce.buckets`: the runtime's replicas allreduce in buckets), and its
@@ -203,8 +204,10 @@ class _Sim:
     """The mutable state of one simulation; see [Note: timing rules]."""
 
     def __init__(self, schedule: Schedule, stages: list[StageCost], link: Link, update_s: float | None,
-                 sync_s: Sequence[float] | None, setup: Setup | None) -> None:
+                 sync_s: Sequence[float] | None, setup: Setup | None,
+                 shares: Sequence[float] | None = None) -> None:
         self.sched, self.costs, self.link, self.setup = schedule, stages, link, setup
+        self.shares = shares  # each worker's share of the time computing, from a pass before (None: all)
         self.slowdown = 1.0 if setup is None else setup.slowdown
         # a caller's update_s is taken as the time it takes; the profile's is the optimizer alone
         self.update_s = [costs.contended_s(c.update_s, self.slowdown) if update_s is None else update_s
@@ -220,6 +223,7 @@ class _Sim:
         self.starts, self.waits, self.updates = [0] * n, [0] * n, [0] * n
         self.stashes = SCHEDULES[schedule.name].weights == "stash" if schedule.name in SCHEDULES else False
         self.busy_s = [0.0] * n
+        self.compute_s = [0.0] * n  # F, B and U: what holds a worker's core and interpreter
         self.update_end: list[list[float]] = [[] for _ in range(n)]
         self.last_backward = [0.0] * n
         self.versions: list[dict[int, int]] = [{} for _ in range(n)]  # in-flight mb -> version its F saw
@@ -244,11 +248,15 @@ class _Sim:
         self.add_s = [0.0 if setup is None else c.parameter_bytes * setup.add_s_per_byte for c in stages]
         self.grads_held = [False] * n
 
-    def _transfer_s(self, nbytes: float) -> float:
-        """Seconds one message occupies its link (see [Note: run set-up])."""
+    def _transfer_s(self, nbytes: float, src: int, dst: int) -> float:
+        """Seconds one message from ``src`` to ``dst`` occupies its link (see [Note: run set-up])."""
         if self.setup is None:
             return self.link.transfer_s(nbytes)
-        return costs.message_time(nbytes, self.latency_s, self.byte_s)
+        latency = self.latency_s
+        if self.shares is not None:
+            latency = self.link.latency_s + costs.busy_latency_s(
+                self.setup.idle_latency_s, self.setup.latency_s, (self.shares[src], self.shares[dst]))
+        return costs.message_time(nbytes, latency, self.byte_s)
 
     def _cpu_s(self, nbytes: float) -> float:
         """Compute seconds one message end takes from its worker (see [Note: run set-up])."""
@@ -291,7 +299,7 @@ class _Sim:
             cut = s if a.kind == SEND_ACT else s - 1  # gradients cross the cut after the previous stage
             nbytes = self.costs[cut].output_bytes / m
             begin = max(start, self.link_free[(w, dst)])
-            self.link_free[(w, dst)] = begin + self._transfer_s(nbytes)
+            self.link_free[(w, dst)] = begin + self._transfer_s(nbytes, w, dst)
             self.arrival[(dst, SENDS[a.kind], a.mb, a.micro)] = (self.link_free[(w, dst)], nbytes)
             return start + self._cpu_s(nbytes)
         if a.kind in (RECV_ACT, RECV_GRAD):
@@ -315,6 +323,8 @@ class _Sim:
         """Track busy time, syncs, updates, in-flight minibatches and the weight versions they hold."""
         if a.kind in (FORWARD, BACKWARD):
             self.busy_s[w] += seconds
+        if a.kind in (FORWARD, BACKWARD, UPDATE):
+            self.compute_s[w] += seconds
         if a.kind == BACKWARD:
             self.last_backward[w] = self.clock[w]
             self.grads_held[w] = True
@@ -375,8 +385,7 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
     per_stage = stage_costs(profile, boundaries, batch_size)
     if schedule.sharded:  # each of r workers computes on its 1/r of the minibatch
         per_stage = [c.share(schedule.replicas[0]) for c in per_stage]
-    sim = _Sim(schedule, per_stage, link, update_s, sync_s, profile.setup)
-    sim.run()
+    sim = _run(schedule, per_stage, link, update_s, sync_s, profile.setup)
     makespan = max(sim.clock, default=0.0)
     busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]
     scale = [c.stash_bytes / schedule.microbatches for c in sim.costs]
@@ -387,6 +396,34 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         peak_weight_versions=sim.peak_versions,
         peak_activation_bytes=[p * scale[schedule.stage_of(w)] for w, p in enumerate(sim.peak_in_flight)],
         trace=sim.trace)
+
+
+SHARE_PASSES = 8
+"""At most this many passes find the workers' compute shares a message's latency follows (:func:`_run`)."""
+
+
+def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: float | None,
+         sync_s: Sequence[float] | None, setup: Setup | None) -> _Sim:
+    """The simulation run to its end. With a set-up that measured a message idle as well as busy, and
+    messages to send, each message's latency follows how much of the time its two ends compute
+    (:func:`pipetrain.costs.busy_latency_s`): the first pass prices every message busy; each pass after
+    takes the workers' shares from the one before, averaged with the shares it was given (a longer
+    latency lowers the shares that priced it, so the undamped passes swing), until the makespan moves
+    less than 0.1% or :data:`SHARE_PASSES` passes."""
+    sim = _Sim(schedule, stages, link, update_s, sync_s, setup)
+    sim.run()
+    if setup is None or setup.idle_latency_s <= 0 or schedule.num_stages == 1:
+        return sim
+    shares: list[float] | None = None
+    for _ in range(SHARE_PASSES - 1):
+        makespan = max(sim.clock, default=0.0)
+        measured = [c / makespan if makespan > 0 else 0.0 for c in sim.compute_s]
+        shares = measured if shares is None else [(a + b) / 2 for a, b in zip(shares, measured)]
+        sim = _Sim(schedule, stages, link, update_s, sync_s, setup, shares)
+        sim.run()
+        if abs(max(sim.clock, default=0.0) - makespan) <= 1e-3 * makespan:
+            break
+    return sim
 
 
 def _minibatches_per_s(schedule: Schedule, update_end: list[list[float]], last_backward: list[float],

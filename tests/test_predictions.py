@@ -64,6 +64,37 @@ def test_a_microbatchs_backward_after_the_first_adds_its_gradients_into_grad():
     whole = simulate(build_schedule("pipedream", [1], 2), two_layers(setup(add_s_per_byte=1e-6)), [0])
     assert {round((e - s) / MS, 6) for a, s, e in whole.trace[0] if a.startswith("B")} == {8.0}
 
+def test_a_messages_latency_follows_how_much_its_two_ends_compute():
+    """Idle 1 ms, busy 5 ms: an end computing a share u of the time delays a message as a busy end with
+    chance u, so with shares u and v it takes 1 + 4 (1 - (1 - u)(1 - v)) ms."""
+    assert costs.busy_latency_s(1 * MS, 5 * MS, (0.0, 0.0)) == pytest.approx(1 * MS)
+    assert costs.busy_latency_s(1 * MS, 5 * MS, (1.0, 0.0)) == pytest.approx(5 * MS)
+    assert costs.busy_latency_s(1 * MS, 5 * MS, (0.5, 0.5)) == pytest.approx(4 * MS)
+    assert costs.busy_latency_s(1 * MS, 5 * MS, (0.2, 0.5)) == pytest.approx(1 * MS + 4 * MS * 0.6)
+    assert costs.busy_latency_s(0.0, 5 * MS, (0.0, 0.0)) == 5 * MS  # not measured idle: always busy
+
+
+def test_the_simulator_prices_each_message_by_how_busy_the_workers_turn_out():
+    """model-parallel, 2 stages, 1 minibatch, a core each (no message CPU), no contention, 0 s per byte:
+    with a latency L each way, F 1, B 2 and U 0.5 ms on each worker, the makespan is 6.5 ms + 2 L and
+    each worker computes 3.5 ms of it. L is where it meets 1 + 4 (1 - (1 - u)^2) ms for u = 3.5 ms over
+    the makespan (idle 1 ms, busy 5 ms): solved here by bisection."""
+    def gap(latency: float) -> float:
+        u = 3.5 / (6.5 + 2 * latency)
+        return 1 + 4 * (1 - (1 - u) ** 2) - latency
+
+    lo, hi = 1.0, 5.0
+    for _ in range(60):
+        lo, hi = ((lo + hi) / 2, hi) if gap((lo + hi) / 2) > 0 else (lo, (lo + hi) / 2)
+    measured = setup(cores=8, slowdown=1.0, latency_s=5 * MS, s_per_byte=0.0, idle_latency_s=1 * MS)
+    result = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(measured), [0, 1])
+    assert result.makespan_s == pytest.approx((6.5 + 2 * lo) * MS, rel=1e-3)
+    # a set-up saved before the idle latency was measured prices every message busy
+    old = Setup.from_dict({k: v for k, v in dataclasses.asdict(measured).items() if k != "idle_latency_s"}, _field)
+    busy = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(old), [0, 1])
+    assert old.idle_latency_s == 0.0 and busy.makespan_s == pytest.approx((6.5 + 2 * 5) * MS)
+
+
 def test_the_message_cpu_counts_only_when_a_worker_has_under_two_cores():
     roomy = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(setup(cores=8)), [0, 1])
     assert dict((a, e - s) for a, s, e in roomy.trace[0])["SF0"] == 0.0
@@ -195,6 +226,7 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
     assert measured.jitter_s >= 0 and "ms of compute" in measured.describe()
     assert 0 < measured.copy_s_per_byte < 1e-7 and 0 < measured.add_s_per_byte < 1e-7  # over 10 MB/s
+    assert 0 < measured.idle_latency_s and "idle" in measured.describe()
 
 
 def test_staggered_calls_time_the_call_alone_after_each_ranks_own_wait():
