@@ -286,10 +286,10 @@ def busy_latency_s(idle_s: float, busy_s: float, end_shares: Sequence[float]) ->
     price a message by the link alone). Without an idle figure (0), ``busy_s``."""
     if idle_s <= 0:
         return busy_s
-    idle = 1.0
+    both_idle = 1.0  # the chance that neither end computes
     for u in end_shares:
-        idle *= 1.0 - min(max(u, 0.0), 1.0)
-    return idle_s + max(busy_s - idle_s, 0.0) * (1.0 - idle)
+        both_idle *= 1.0 - min(max(u, 0.0), 1.0)
+    return idle_s + max(busy_s - idle_s, 0.0) * (1.0 - both_idle)
 
 
 def contended_s(seconds: Num, slowdown: float) -> Num:
