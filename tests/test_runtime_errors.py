@@ -10,7 +10,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.data import regression
-from pipetrain.runtime.launch import PipetrainError, spawn
+from pipetrain.runtime.launch import PipetrainError, _spawn_once, spawn
 from pt_models import FaultAt, Untraceable, mlp, nan_loss
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
@@ -109,6 +109,32 @@ def test_a_job_past_its_time_limit_is_stopped_with_every_workers_stack(tmp_path)
     stacks = e.value.log.read_text().split("== rank ")[1:]
     assert [s.split("\n")[0] for s in stacks] == ["0", "1"]
     assert all("in _wait_forever" in s for s in stacks)
+
+
+class _ExitsWhenFirstSeen:
+    """A worker process stand-in: it writes its result when started and has exited by the second time
+    its exit code is read, so the launcher's loop sees it running and its time-limit check does not."""
+
+    def __init__(self, target, args, daemon):
+        self.rank, self.workdir, self.reads, self.pid = args[0], args[3], 0, 0
+
+    def start(self):
+        torch.save({"rank": self.rank}, Path(self.workdir) / f"result{self.rank}.pt")
+
+    @property
+    def exitcode(self):
+        self.reads += 1
+        return None if self.reads == 1 else 0
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_a_job_that_finishes_just_as_its_time_limit_passes_returns_its_results():
+    ctx = type("Ctx", (), {"Process": _ExitsWhenFirstSeen})()
+    results = _spawn_once(ctx, b"", 1, 0, "rank {}".format, poll_s=0.01, silent_after=None, log_dir=None,
+                          timeout=0)
+    assert results == [{"rank": 0}]
 
 
 def test_a_worker_stuck_holding_the_gil_is_named_with_where_it_is_stuck(tmp_path):

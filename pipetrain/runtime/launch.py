@@ -230,6 +230,8 @@ def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Calla
                                  procs, log_dir)
                 if timeout is not None and time.monotonic() - since > timeout:
                     running = [r for r, p in enumerate(procs) if p.exitcode is None]
+                    if not running:  # the last worker finished since the loop's check: take its results
+                        continue
                     raise _stuck(f"{', '.join(map(describe, running))} still running after {timeout:g}s, the job's "
                                  "time limit; the workers were stopped", "timeout", running[0], workdir, procs,
                                  log_dir)
