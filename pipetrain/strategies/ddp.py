@@ -11,6 +11,9 @@ does not change what a model's statistics mean.
 """
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -21,6 +24,12 @@ BUCKET_BYTES = 25 << 20
 """DDP's ``bucket_cap_mb`` default: gradients are allreduced in buckets of about this many bytes."""
 FIRST_BUCKET_BYTES = 1 << 20
 """DDP's first bucket (the last layers' gradients) is this small, so its allreduce starts early."""
+_NO_BUFFER_SYNC: dict[str, Any] = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                   else {"broadcast_buffers": False})
+"""No buffer broadcast at each forward, in the words of the installed torch (newer ones deprecate
+``broadcast_buffers``; the new flag still copies rank 0's buffers once at the start, when every
+worker's are the same anyway)."""
 
 
 class DDPSync(GradSync):
@@ -37,7 +46,7 @@ class DDPSync(GradSync):
 
     def wrap(self, module: nn.Module) -> nn.Module:
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
+        return DistributedDataParallel(module, device_ids=ids, **_NO_BUFFER_SYNC)
 
     def start(self, mb: int, weights: Weights) -> None:
         """Estimate what DDP sent for this minibatch: a ring's 2(M-1)/M of the gradient bytes."""
