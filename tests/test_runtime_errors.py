@@ -130,6 +130,21 @@ class _ExitsWhenFirstSeen:
         pass
 
 
+class _DiesWhileStarted(_ExitsWhenFirstSeen):
+    """A worker process that dies while the launcher still hands it its task, as one that runs an
+    unguarded script's call of train does (the parent then reads a broken pipe)."""
+
+    def start(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_worker_that_dies_while_started_names_the_unguarded_script_as_the_likely_cause():
+    ctx = type("Ctx", (), {"Process": _DiesWhileStarted})()
+    with pytest.raises(PipetrainError, match=r"^rank 0 died while starting \(Broken pipe\); workers first import "
+                                             r"your script .+: if it calls pipetrain.train outside"):
+        _spawn_once(ctx, b"", 1, 0, "rank {}".format, poll_s=0.01, silent_after=None, log_dir=None, timeout=None)
+
+
 def test_a_job_that_finishes_just_as_its_time_limit_passes_returns_its_results():
     ctx = type("Ctx", (), {"Process": _ExitsWhenFirstSeen})()
     results = _spawn_once(ctx, b"", 1, 0, "rank {}".format, poll_s=0.01, silent_after=None, log_dir=None,
