@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from pipetrain.layers import LayeredModel
+from pipetrain.layers import LayerError, LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
 from pipetrain.planning.choose import Choice, choose_strategy, predict_plan
 from pipetrain.planning.units import parse_bandwidth
@@ -434,6 +434,13 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     torch.set_num_threads(threads)
     try:
         measured = profile_model(model, tuple(batch), loss_fn, optimizer=optimizer, repeats=5, warmup=2)
+    except LayerError:
+        raise
+    except Exception as e:  # the user's model, loss or optimizer on the user's data: say where it failed
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"the model failed on the dataset's first minibatch while pipetrain profiled it to plan: "
+                         f"{type(e).__name__}: {first}; check that the model, the loss and the dataset's samples "
+                         "fit (dtype, shape)") from e
     finally:
         torch.set_num_threads(before)
     if not under_torchrun():

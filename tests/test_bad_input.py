@@ -138,6 +138,12 @@ API_CASES = [
     ("checkpoint of another strategy", lambda t, m: _other_strategys_checkpoint(t),
      r"belongs to another job \(strategy: saved ddp, this job pipe-sgd\)"),
     ("port already in use", _port_in_use, r"port \d+ on 127\.0\.0\.1 is in use .* 3 times"),
+    ("strategy auto: model and data of two dtypes", lambda t, m: train(model=mlp().float(), stages=None,
+                                                                       strategy="auto", workers=2),
+     r"^the model failed on the dataset's first minibatch while pipetrain profiled it to plan: RuntimeError: "
+     r"mat1 and mat2 must have the same dtype.*; check that the model, the loss and the dataset's samples fit"),
+    ("stages auto: model and data of two dtypes", lambda t, m: train(model=mlp().float(), stages="auto", workers=2),
+     r"^the model failed on the dataset's first minibatch while pipetrain profiled it to plan: RuntimeError"),
 ]
 
 
