@@ -24,9 +24,9 @@ BUCKET_BYTES = 25 << 20
 """DDP's ``bucket_cap_mb`` default: gradients are allreduced in buckets of about this many bytes."""
 FIRST_BUCKET_BYTES = 1 << 20
 """DDP's first bucket (the last layers' gradients) is this small, so its allreduce starts early."""
-_NO_BUFFER_SYNC: dict[str, Any] = ({"forward_sync_buffers": False}
-                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                   else {"broadcast_buffers": False})
+_NO_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False})
 """No buffer broadcast at each forward, in the words of the installed torch (newer ones deprecate
 ``broadcast_buffers``; the new flag still copies rank 0's buffers once at the start, when every
 worker's are the same anyway)."""
