@@ -24,7 +24,7 @@ from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
-from pipetrain.runtime.worker import per_epoch
+from pipetrain.runtime.worker import first_line, per_epoch
 from pipetrain.runsetup import measure_setup, model_step
 from pipetrain.simulate import Link
 
@@ -437,9 +437,8 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     except LayerError:
         raise
     except Exception as e:  # the user's model, loss or optimizer on the user's data: say where it failed
-        first = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"the model failed on the dataset's first minibatch while pipetrain profiled it to plan: "
-                         f"{type(e).__name__}: {first}; check that the model, the loss and the dataset's samples "
+                         f"{type(e).__name__}: {first_line(e)}; check that the model, the loss and the dataset's samples "
                          "fit (dtype, shape)") from e
     finally:
         torch.set_num_threads(before)

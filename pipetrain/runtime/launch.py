@@ -211,7 +211,7 @@ def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Calla
                 try:
                     p.start()
                 except OSError as e:  # the new process was killed before it read its task
-                    raise PipetrainError(f"{describe(r)} died while starting ({e.strerror or e}){_before_task()}",
+                    raise PipetrainError(f"{describe(r)} died while starting ({e.strerror or e}){_unguarded_script_hint()}",
                                          "died", r) from None
                 started.append(p)
             while any(p.exitcode is None for p in procs):
@@ -270,7 +270,7 @@ def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[i
             code = procs[r].exitcode
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"died with exit code {code}"
             if code > 0 and not _beat(workdir, r).exists():
-                how += " before it began its task" + _before_task()
+                how += " before it began its task" + _unguarded_script_hint()
             messages[r], order[r] = f"{describe(r)} {how}", 0
     rank = min(failed, key=lambda r: (order[r], r))
     log = _keep("failure", texts, log_dir)
@@ -328,10 +328,10 @@ def _beat(workdir: str, rank: int) -> Path:
     return Path(workdir) / f"alive{rank}"
 
 
-def _before_task() -> str:
-    """Why a worker that exited with an error before beginning its task did so, when it can be told: a
-    new process first imports the caller's script, so a script that calls ``train`` unguarded starts
-    workers from a worker, which multiprocessing refuses. It can die so while it is being started, too."""
+def _unguarded_script_hint() -> str:
+    """The likely cause when a worker dies before it begins its task (or while it is being started), as
+    words to append: a new process first imports the caller's script, so a script that calls ``train``
+    unguarded starts workers from a worker, which multiprocessing refuses. Empty without a script."""
     script = getattr(sys.modules.get("__main__"), "__file__", None)
     if not script:
         return ""

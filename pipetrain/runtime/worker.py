@@ -335,7 +335,7 @@ class Worker:
         except (StageError, NonFiniteLoss):
             raise
         except Exception as e:  # the user's code may raise anything
-            raise StageError(f"{self.name}: {what} failed: {type(e).__name__}: {_first_line(e)}") from e
+            raise StageError(f"{self.name}: {what} failed: {type(e).__name__}: {first_line(e)}") from e
 
     def _loss(self, out: Any, target: Any, mb: int) -> torch.Tensor:
         """``loss_fn(out, target)``, which must be a scalar; errors say what the model gave it."""
@@ -343,7 +343,7 @@ class Worker:
             loss = self.loss_fn(out, target)
         except Exception as e:  # the user's loss may raise anything
             raise StageError(f"{self.name}: loss_fn(output, target) failed on minibatch {mb}: {type(e).__name__}: "
-                             f"{_first_line(e)} (the model returned {_describe(out)}, the target is "
+                             f"{first_line(e)} (the model returned {_describe(out)}, the target is "
                              f"{_describe(target)})") from e
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise StageError(f"{self.name}: loss_fn returned {_describe(loss)} for minibatch {mb}, not a scalar "
@@ -410,7 +410,8 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an error's message (at most 200 characters), for a one-line error of ours."""
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
