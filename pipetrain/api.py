@@ -285,8 +285,9 @@ def _train_auto(arguments: dict[str, Any]) -> TrainResult:
     one_machine = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
 
     def choose() -> dict[str, Any]:
+        shard = batch_size // workers if batch_size % workers == 0 else batch_size
         measured = _measured_profile(model, dataset, loss_fn, arguments["optimizer"], batch_size, workers,
-                                     _threads(arguments["threads"], workers))
+                                     _threads(arguments["threads"], workers), step_rows=shard)
         if measured.setup is not None:  # what the predictions below are priced with
             print(f"pipetrain: measured set-up: {measured.setup.describe()}", flush=True)
         return choose_strategy(measured, workers, bandwidth, batch_size=batch_size, one_machine=one_machine,
@@ -425,11 +426,16 @@ def _on_rank0(work: Callable[[], dict[str, Any]], timeout: float) -> dict[str, A
 
 def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
                       optimizer: Callable[..., torch.optim.Optimizer], batch_size: int, workers: int,
-                      threads: int) -> Profile:
+                      threads: int, step_rows: int | None = None) -> Profile:
     """The model profiled on the first minibatch with the workers' thread count and optimizer; with the
-    run set-up of ``workers`` local workers measured (:func:`pipetrain.runsetup.measure_setup`), except
-    under torchrun, whose workers this process does not start."""
-    batch = default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])  # type: ignore[arg-type]
+    run set-up of ``workers`` local workers measured (:func:`pipetrain.runsetup.measure_setup`), their
+    shared work a training step on the minibatch's first ``step_rows`` samples (default: all of them;
+    a data-parallel worker's shard prices that worker directly), except under torchrun, whose workers
+    this process does not start."""
+    def first(rows: int) -> Any:
+        return default_collate([dataset[i] for i in range(min(rows, len(dataset)))])  # type: ignore[arg-type]
+
+    batch = first(batch_size)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -443,7 +449,8 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     finally:
         torch.set_num_threads(before)
     if not under_torchrun():
-        measured.setup = measure_setup(workers, threads, model_step(model, tuple(batch), loss_fn),
+        step = batch if step_rows is None else first(step_rows)
+        measured.setup = measure_setup(workers, threads, model_step(model, tuple(step), loss_fn),
                                        ring_bytes=measured.parameter_bytes)
     return measured
 

@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from pipetrain import costs
 
@@ -64,6 +65,11 @@ class Setup:
             else running (:func:`_ring_cpu`); 0 when not measured, and the message figures stand in.
         add_s_per_byte: adding memory into memory of the same size, per byte of one of them (a
             microbatch's gradients added into ``.grad``); 0 when not measured.
+        step_s, step_rows: the seconds one call of the measured kernel took with all ``workers`` calling
+            it at once (the median over the rounds of their mean), and, when the kernel was a training
+            step of the model (:func:`model_step`), the rows of its batch; 0 when not measured or not a
+            model step. A step at a data-parallel worker's shard prices that worker's forward and
+            backward directly (:func:`pipetrain.simulate.predict_data_parallel`).
     """
 
     backend: str
@@ -85,6 +91,8 @@ class Setup:
     ring_cpu_s_per_byte: float = 0.0
     add_s_per_byte: float = 0.0
     idle_latency_s: float = 0.0
+    step_s: float = 0.0
+    step_rows: int = 0
 
     @property
     def cores_per_worker(self) -> float:
@@ -124,7 +132,7 @@ class Setup:
         (:func:`pipetrain.profiling._field`); ValueError naming the field otherwise."""
         if not isinstance(data, dict):
             raise ValueError(f"profile: 'setup' is {data!r:.40}, not an object")
-        kinds = {"backend": str, "workers": int, "threads": int, "cores": int}
+        kinds = {"backend": str, "workers": int, "threads": int, "cores": int, "step_rows": int}
         return Setup(**{f.name: field_of(data, f.name, "setup", kinds.get(f.name, float),
                                          None if f.default is MISSING else f.default) for f in fields(Setup)})
 
@@ -175,16 +183,30 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     return Setup(**results[0])
 
 
-def model_step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[], None]:
+@dataclass(frozen=True)
+class ModelStep:
     """A kernel for :func:`measure_setup`: one forward and backward of ``model`` on ``batch`` (an
     ``(input, target)`` pair), the work the workers of a job share the cores with."""
-    return functools.partial(_step, model, batch, loss_fn)
+
+    model: torch.nn.Module
+    batch: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+
+    @property
+    def rows(self) -> int:
+        """Samples in the batch: the first dimension of its first input tensor."""
+        first = next((t for t in pytree.tree_leaves(self.batch[0]) if isinstance(t, torch.Tensor)), None)
+        return int(first.shape[0]) if first is not None and first.dim() else 1
+
+    def __call__(self) -> None:
+        x, y = self.batch
+        self.loss_fn(self.model(x), y).backward()
+        self.model.zero_grad(set_to_none=True)
 
 
-def _step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
-    x, y = batch
-    loss_fn(model(x), y).backward()
-    model.zero_grad(set_to_none=True)
+def model_step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> ModelStep:
+    """A :class:`ModelStep` kernel of ``model`` on ``batch`` with ``loss_fn``."""
+    return ModelStep(model, batch, loss_fn)
 
 
 def _matmul(n: int) -> None:
@@ -263,7 +285,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 add_s_per_byte=_memory_s_per_byte(device, torch.Tensor.add_),
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
-                ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency)
+                ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
+                step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:

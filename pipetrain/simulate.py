@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -536,7 +536,9 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     [whole] = stage_costs(profile, [0], batch_size)
     setup = profile.setup
     slowdown = 1.0 if setup is None else setup.slowdown
-    compute_s = costs.contended_s((whole.forward_s + whole.backward_s) / workers, slowdown)
+    priced = _shard_priced(profile, workers, batch_size)
+    shard_slowdown = 1.0 if priced.setup is None else priced.setup.slowdown
+    compute_s = costs.contended_s((whole.forward_s + whole.backward_s) / workers, shard_slowdown)
     if update_s is None:  # as the simulator does: a caller's update_s is taken as given
         update_s = costs.contended_s(whole.update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
@@ -561,9 +563,9 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     # synchronous SGD waits for the allreduce anyway (eq. 2), so its CPU only counts for K >= 2
     step_s = costs.shared_core_compute_s(update_s, 0.0, comm_cpu_s, cores_per_worker) if k > 1 else update_s
     # DDP allreduces its buckets during the backward: only what is left after it waits
-    waited_s = _ddp_waited_s(profile, workers, batch_size, slowdown, latency, byte_s) \
+    waited_s = _ddp_waited_s(profile, workers, batch_size, shard_slowdown, latency, byte_s) \
         if strategy == "ddp" and workers > 1 else comm_s
-    sim = simulate(build_data_parallel(strategy, workers, minibatches, k), profile, [0], link, batch_size,
+    sim = simulate(build_data_parallel(strategy, workers, minibatches, k), priced, [0], link, batch_size,
                    step_s, sync_s=[waited_s])
     per_iteration = costs.pipe_sgd_time(1, step_s, compute_s, comm_s) if k > 1 else \
         costs.sync_sgd_time(1, update_s, compute_s, waited_s)
@@ -600,6 +602,24 @@ def _ddp_waited_s(profile: Profile, workers: int, batch_size: int | None, slowdo
         pending_s = 0.0
     allreduce = [float(costs.ring_allreduce_time(workers, n, latency_s, byte_s, 0.0)) for n in sizes]
     return costs.overlapped_backward_s(bp, allreduce, pending_s) - sum(mine)
+
+
+def _shard_priced(profile: Profile, workers: int, batch_size: int | None) -> Profile:
+    """``profile`` with its set-up's ``slowdown`` as one data-parallel worker's shard measured it: the
+    set-up's training step at the shard's rows (:attr:`pipetrain.runsetup.Setup.step_s`, timed in the
+    workers, all at once) over the profile's forward + backward share. Unchanged without such a step.
+
+    Ours: a CPU runs a smaller batch less well, and a layer profile taken in a few seconds of one
+    process reads a VM's faster and slower phases; the step, timed in the workers themselves over
+    several rounds, varied less (lstm-lm on 2 workers, six set-ups in a row: the profile's share
+    75.7-98.7 ms, the step 89.5-98.8 ms)."""
+    setup = profile.setup
+    batch = profile.batch_size if batch_size is None else batch_size
+    if setup is None or setup.step_s <= 0 or setup.step_rows * workers != batch:
+        return profile
+    [whole] = stage_costs(profile, [0], batch_size)
+    share = (whole.forward_s + whole.backward_s) / workers
+    return replace(profile, setup=replace(setup, slowdown=setup.step_s / share)) if share > 0 else profile
 
 
 def _shard_backward_s(profile: Profile, workers: int, batch_size: int | None, slowdown: float) -> list[float]:
@@ -685,11 +705,13 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
     [whole] = stage_costs(profile, [0], batch_size)
     mine = whole.share(workers)
     slowdown = 1.0 if profile.setup is None else profile.setup.slowdown
+    priced = _shard_priced(profile, workers, batch_size)
+    shard_slowdown = 1.0 if priced.setup is None else priced.setup.slowdown
     if update_s is None:
         update_s = costs.contended_s(whole.update_s, slowdown)
     if cores_per_worker is None:
         cores_per_worker = math.inf if profile.setup is None else profile.setup.cores_per_worker
-    shard = _shard_backward_s(profile, workers, batch_size, slowdown)
+    shard = _shard_backward_s(profile, workers, batch_size, shard_slowdown)
     units: list[tuple[list[int], float, int]] = []  # (profile layers, backward seconds, parameter bytes)
     pending: list[int] = []
     for i in reversed(range(len(profile))):
@@ -715,10 +737,10 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
     host_cpu = host_bytes * (copy_s_per_byte + sum_s_per_byte) + 2 * len(rows) * signal_cpu
     backward = max(backward, costs.shared_core_compute_s(0.0, sum(bp) + tail_s, host_cpu, cores_per_worker))
     overhead = backward - sum(bp) - tail_s
-    sim = simulate(build_data_parallel("cgdp", workers, minibatches), profile, [0], Link(), batch_size,
+    sim = simulate(build_data_parallel("cgdp", workers, minibatches), priced, [0], Link(), batch_size,
                    update_s, sync_s=[overhead])
     batch = profile.batch_size if batch_size is None else batch_size
-    iteration = costs.contended_s(mine.forward_s, slowdown) + backward + update_s
+    iteration = costs.contended_s(mine.forward_s, shard_slowdown) + backward + update_s
     return CGDPPrediction(
         samples_per_s=sim.samples_per_s or (batch / iteration if batch else 0.0), iteration_s=iteration,
         backward_s=backward, plain_backward_s=sum(bp) + tail_s, overhead_s=overhead,

@@ -44,8 +44,9 @@ def test_dp_predictions_smoke_predicts_and_measures_every_data_parallel_candidat
     rows = json.loads(out.read_text())["lstm-lm"]["rows"]
     assert set(rows) == {"ddp", "pipe-sgd", "pipe-sgd-trunc16", "pipe-sgd-quant8", "cgdp"}
     for name, r in rows.items():
-        assert r["predicted"] > 0 and r["measured"] > 0 and len(r["runs"]) == 1, name
-    assert rows["cgdp"]["options"]["chunk"] >= 1
+        assert r["predicted"] > 0 and r["measured"] > 0 and len(r["runs"]) == len(r["predictions"]) == 1, name
+        assert r["pairs"] in (0, 1) and r["predicted"] == r["predictions"][0], name
+    assert rows["cgdp"]["options"][0]["chunk"] >= 1
 
 
 def test_time_to_accuracy_parses_its_arguments() -> None:

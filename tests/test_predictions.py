@@ -17,7 +17,7 @@ from pipetrain.planning import Plan, StagePlan, plan
 from pipetrain.planning.choose import choose_strategy, predict_plan
 from pipetrain.profiling import LayerProfile, Profile, _field, as_minibatch, profile_model
 from pipetrain.registry import build_schedule
-from pipetrain.runsetup import STAGGER_S, Setup, _jitter, _staggered_calls, measure_setup
+from pipetrain.runsetup import STAGGER_S, Setup, _jitter, _staggered_calls, measure_setup, model_step
 from pipetrain.simulate import Link, predict_data_parallel, simulate
 
 MS = 1e-3
@@ -160,6 +160,42 @@ def test_ddp_waits_only_for_the_allreduces_its_backward_did_not_hide():
     iteration = 2 * MS + 20 * MS + waited  # forward, backward, then the wait; no optimizer time
     assert ddp.formula_samples_per_s == pytest.approx(32 / iteration)
     assert ddp.samples_per_s == pytest.approx(32 / iteration)
+
+
+def test_a_data_parallel_worker_computes_as_long_as_the_setups_step_at_its_shard():
+    """The two layers above (2 ms forward, 20 ms backward, 2 MiB, 1 ms optimizer each, batch 32) on 2
+    workers: the profile's share is (4 + 40) / 2 = 22 ms. The set-up timed a training step of 16 rows,
+    a worker's shard, at 33 ms with both workers computing: 1.5x the share. So a worker's forward takes
+    3 ms and each layer's backward 15 ms: buckets ready at 15 and 30 ms, allreduced 15-27.49 and
+    30-42.49 ms, 12.49 ms waited; the update keeps the set-up's slowdown (2 x 2 x 1 ms). A step of
+    another batch (8 rows) says nothing of the shard: the slowdown prices it all, as before."""
+    from pipetrain.simulate import predict_cgdp
+
+    mib2 = 2 << 20
+    layers = [LayerProfile(str(i), 2 * MS, 20 * MS, 1000, mib2, optimizer_s=1 * MS) for i in range(2)]
+
+    def profile(rows: int) -> Profile:
+        measured = setup(cores=8, slowdown=2.0, ring_s_per_byte=5e-9, allreduce_latency_s=1 * MS, step_s=33 * MS,
+                         step_rows=rows)
+        return Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured)
+
+    allreduce = 2 * MS + mib2 * 5e-9
+    ddp = predict_data_parallel(profile(16), "ddp", 2, Link(), reduce_s=0.0)
+    assert ddp.compute_s == pytest.approx(33 * MS)
+    assert ddp.samples_per_s == pytest.approx(32 / (3 * MS + 30 * MS + (30 * MS + allreduce - 30 * MS) + 4 * MS))
+    assert predict_cgdp(profile(16), 2, 1).iteration_s == pytest.approx(3 * MS + 30 * MS + 4 * MS)
+    other = predict_data_parallel(profile(8), "ddp", 2, Link(), reduce_s=0.0)
+    assert other.compute_s == pytest.approx(2 * 22 * MS)
+    assert other.samples_per_s == pytest.approx(32 / (4 * MS + 40 * MS + allreduce + 4 * MS))
+
+
+def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker():
+    net = nn.Linear(4, 2)
+    assert model_step(net, ((torch.zeros(5, 4), torch.zeros(5, 1)), torch.zeros(5, 2)), nn.functional.mse_loss).rows == 5
+    measured = measure_setup(2, 1, model_step(net, (torch.randn(3, 4), torch.randn(3, 2)), nn.functional.mse_loss),
+                             seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18)
+    assert measured.step_rows == 3 and 0 < measured.step_s < 0.05
+    assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
 
 
 def test_the_last_of_several_workers_arrives_as_order_statistics_say():
