@@ -145,7 +145,8 @@ class Setup:
                 f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step and "
                 f"{1e6 * self.allreduce_cpu_s:.0f} us of CPU, ring CPU {1e6 * self.ring_cpu_s:.0f} us per step + "
                 f"{1e9 * self.ring_cpu_s_per_byte:.2f} ns/B, 10 ms of compute "
-                f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms")
+                f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms"
+                + (f", a training step of {self.step_rows} rows {1e3 * self.step_s:.1f} ms all at once" if self.step_rows else ""))
 
 
 Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
@@ -350,9 +351,11 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
     small, large = (torch.zeros(world, block_size(n // 4, world, 1), device=device) for n in sizes)
     # the small one staggered, as a job's ranks arrive: each rank's own time, waiting included, is a
     # period of a ring that runs one allreduce after another; the mean over the ranks
-    small_s = statistics.median(_staggered_calls(lambda: ring_allreduce(small, None, get_codec(None)), rank, rounds)[0])
+    held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
+    small_s = statistics.median(_staggered_calls(lambda: ring_allreduce(small, None, get_codec(None), held), rank,
+                                                 rounds)[0])
     times = [_mean_over_ranks(small_s, device),
-             median_seconds(lambda: ring_allreduce(large, None, get_codec(None)), big_rounds, sync=dist.barrier)]
+             median_seconds(lambda: ring_allreduce(large, None, get_codec(None), held), big_rounds, sync=dist.barrier)]
     hops, share = 2 * (world - 1), 2 * (world - 1) / world
     per_byte = max(0.0, times[1] - times[0]) / (share * (sizes[1] - sizes[0]))
     return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
@@ -375,6 +378,7 @@ def _ring_cpu(device: torch.device, sizes: tuple[int, int], rounds: int = 3) -> 
 
     world, codec = dist.get_world_size(), get_codec(None)
     block = [block_size(nbytes // 4, world, 1) for nbytes in sizes]  # elements per rank's block
+    held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
     per_step = []
     for b in block:
         blocks = torch.zeros(world, b, device=device)
@@ -382,7 +386,7 @@ def _ring_cpu(device: torch.device, sizes: tuple[int, int], rounds: int = 3) -> 
         for _ in range(rounds + 1):  # the first warms the ring's buffers up
             dist.barrier()
             c0 = time.process_time()
-            ring_allreduce(blocks, None, codec)
+            ring_allreduce(blocks, None, codec, held)
             cpu.append(time.process_time() - c0)
         per_step.append(_mean_over_ranks(statistics.median(cpu[1:]), device) / (2 * (world - 1)))
     return _line(per_step, (4 * block[0], 4 * block[1]))

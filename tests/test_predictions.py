@@ -194,7 +194,7 @@ def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker()
     assert model_step(net, ((torch.zeros(5, 4), torch.zeros(5, 1)), torch.zeros(5, 2)), nn.functional.mse_loss).rows == 5
     measured = measure_setup(2, 1, model_step(net, (torch.randn(3, 4), torch.randn(3, 2)), nn.functional.mse_loss),
                              seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18)
-    assert measured.step_rows == 3 and 0 < measured.step_s < 0.05
+    assert measured.step_rows == 3 and 0 < measured.step_s < 0.05 and "a training step of 3 rows" in measured.describe()
     assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
 
 

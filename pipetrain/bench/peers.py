@@ -427,11 +427,12 @@ def ring_cost(cfg: PeerConfig, codec: str | None, repeats: int = 5) -> dict[str,
     group = dist.new_group(list(range(world)))
     walls, cpus, machine = [], [], []
     grad, blocks = torch.randn(elements), torch.zeros(world, b)
+    held: dict[str, torch.Tensor] = {}  # as pipe-sgd's ring keeps its buffers
     for _ in range(repeats + 1):
         dist.barrier()
         t0, u0, m0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), machine_busy_s()
         blocks.view(-1)[:elements].copy_(grad)  # what pipe-sgd's A action does
-        ring_allreduce(blocks, group, chosen)
+        ring_allreduce(blocks, group, chosen, held)
         dist.barrier()
         u1, m1 = resource.getrusage(resource.RUSAGE_SELF), machine_busy_s()
         walls.append(time.perf_counter() - t0)

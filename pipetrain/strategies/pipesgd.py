@@ -58,6 +58,7 @@ class RingSync(GradSync):
         self._jobs: queue.Queue[tuple[int, torch.Tensor, Any] | None] = queue.Queue()
         self._done = Mailbox(timeout)  # mb -> (reduced buffer, CUDA event or None)
         self._free: list[torch.Tensor] = []
+        self._workspace: dict[str, torch.Tensor] = {}  # the ring's receive buffers, kept between allreduces
         self._lent: torch.Tensor | None = None
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
@@ -145,7 +146,7 @@ class RingSync(GradSync):
             self._done.fail(e)
 
     def _reduce(self, buf: torch.Tensor) -> torch.Tensor:
-        self.bytes_sent += ring_allreduce(buf.view(self.workers, self._block), self.group, self.codec)
+        self.bytes_sent += ring_allreduce(buf.view(self.workers, self._block), self.group, self.codec, self._workspace)
         return buf.div_(self.workers)
 
 
