@@ -536,8 +536,7 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     [whole] = stage_costs(profile, [0], batch_size)
     setup = profile.setup
     slowdown = 1.0 if setup is None else setup.slowdown
-    priced = _shard_priced(profile, workers, batch_size)
-    shard_slowdown = 1.0 if priced.setup is None else priced.setup.slowdown
+    priced, shard_slowdown = _shard_priced(profile, whole, workers, batch_size)
     compute_s = costs.contended_s((whole.forward_s + whole.backward_s) / workers, shard_slowdown)
     if update_s is None:  # as the simulator does: a caller's update_s is taken as given
         update_s = costs.contended_s(whole.update_s, slowdown)
@@ -604,22 +603,24 @@ def _ddp_waited_s(profile: Profile, workers: int, batch_size: int | None, slowdo
     return costs.overlapped_backward_s(bp, allreduce, pending_s) - sum(mine)
 
 
-def _shard_priced(profile: Profile, workers: int, batch_size: int | None) -> Profile:
-    """``profile`` with its set-up's ``slowdown`` as one data-parallel worker's shard measured it: the
-    set-up's training step at the shard's rows (:attr:`pipetrain.runsetup.Setup.step_s`, timed in the
-    workers, all at once) over the profile's forward + backward share. Unchanged without such a step.
+def _shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: int | None) -> tuple[Profile, float]:
+    """``profile`` with its set-up's ``slowdown`` as one data-parallel worker's shard measured it, and that
+    slowdown: the set-up's training step at the shard's rows (:attr:`pipetrain.runsetup.Setup.step_s`,
+    timed in the workers, all at once) over the forward + backward share of ``whole`` (the profile as one
+    stage). Unchanged without such a step (slowdown 1 without a set-up).
 
     Ours: a CPU runs a smaller batch less well, and a layer profile taken in a few seconds of one
     process reads a VM's faster and slower phases; the step, timed in the workers themselves over
     several rounds, varied less (lstm-lm on 2 workers, six set-ups in a row: the profile's share
     75.7-98.7 ms, the step 89.5-98.8 ms)."""
     setup = profile.setup
+    if setup is None:
+        return profile, 1.0
     batch = profile.batch_size if batch_size is None else batch_size
-    if setup is None or setup.step_s <= 0 or setup.step_rows * workers != batch:
-        return profile
-    [whole] = stage_costs(profile, [0], batch_size)
     share = (whole.forward_s + whole.backward_s) / workers
-    return replace(profile, setup=replace(setup, slowdown=setup.step_s / share)) if share > 0 else profile
+    if setup.step_s <= 0 or setup.step_rows * workers != batch or share <= 0:
+        return profile, setup.slowdown
+    return replace(profile, setup=replace(setup, slowdown=setup.step_s / share)), setup.step_s / share
 
 
 def _shard_backward_s(profile: Profile, workers: int, batch_size: int | None, slowdown: float) -> list[float]:
@@ -705,8 +706,7 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
     [whole] = stage_costs(profile, [0], batch_size)
     mine = whole.share(workers)
     slowdown = 1.0 if profile.setup is None else profile.setup.slowdown
-    priced = _shard_priced(profile, workers, batch_size)
-    shard_slowdown = 1.0 if priced.setup is None else priced.setup.slowdown
+    priced, shard_slowdown = _shard_priced(profile, whole, workers, batch_size)
     if update_s is None:
         update_s = costs.contended_s(whole.update_s, slowdown)
     if cores_per_worker is None:
