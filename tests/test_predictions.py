@@ -189,6 +189,23 @@ def test_a_data_parallel_worker_computes_as_long_as_the_setups_step_at_its_shard
     assert other.samples_per_s == pytest.approx(32 / (4 * MS + 40 * MS + allreduce + 4 * MS))
 
 
+def test_a_one_stage_pipeline_computes_as_long_as_the_setups_step_at_the_whole_minibatch():
+    """The same two layers (4 ms forward, 40 ms backward, 2 ms of optimizer on the batch of 32) as one
+    stage on one worker. The set-up timed a training step of all 32 rows at 66 ms with every worker
+    computing: 1.5x the profile's 44 ms. So an iteration is 6 + 60 ms and the update at the set-up's
+    slowdown (2 x 2 ms): 70 ms. A step of 16 rows says nothing of a whole minibatch: the slowdown
+    prices it all, 88 + 4 ms. Data parallelism's shards (2 x 16 rows) are not this case."""
+    layers = [LayerProfile(str(i), 2 * MS, 20 * MS, 1000, 4000, optimizer_s=1 * MS) for i in range(2)]
+
+    def rate(rows: int) -> float:
+        measured = setup(cores=8, slowdown=2.0, step_s=66 * MS, step_rows=rows)
+        profile = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured)
+        return simulate(build_schedule("pipedream", [1], 6), profile, [0]).samples_per_s
+
+    assert rate(32) == pytest.approx(32 / (70 * MS))
+    assert rate(16) == pytest.approx(32 / (92 * MS))
+
+
 def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker():
     net = nn.Linear(4, 2)
     assert model_step(net, ((torch.zeros(5, 4), torch.zeros(5, 1)), torch.zeros(5, 2)), nn.functional.mse_loss).rows == 5
