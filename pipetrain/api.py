@@ -25,7 +25,7 @@ from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
 from pipetrain.runtime.worker import first_line, per_epoch
-from pipetrain.runsetup import measure_setup, model_step
+from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.simulate import Link
 
 
@@ -436,18 +436,15 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
         return default_collate([dataset[i] for i in range(min(rows, len(dataset)))])  # type: ignore[arg-type]
 
     batch = first(batch_size)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        measured = profile_model(model, tuple(batch), loss_fn, optimizer=optimizer, repeats=5, warmup=2)
+        with torch_threads(threads):
+            measured = profile_model(model, tuple(batch), loss_fn, optimizer=optimizer, repeats=5, warmup=2)
     except LayerError:
         raise
     except Exception as e:  # the user's model, loss or optimizer on the user's data: say where it failed
         raise ValueError(f"the model failed on the dataset's first minibatch while pipetrain profiled it to plan: "
                          f"{type(e).__name__}: {first_line(e)}; check that the model, the loss and the dataset's samples "
                          "fit (dtype, shape)") from e
-    finally:
-        torch.set_num_threads(before)
     if not under_torchrun():
         step = batch if step_rows is None else first(step_rows)
         measured.setup = measure_setup(workers, threads, model_step(model, tuple(step), loss_fn),

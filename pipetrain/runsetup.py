@@ -14,7 +14,8 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
@@ -463,6 +464,19 @@ def _line(points: list[float], sizes: tuple[int, int] = MESSAGE_SIZES) -> tuple[
     neither below 0."""
     slope = max(0.0, points[1] - points[0]) / (sizes[1] - sizes[0])
     return max(0.0, points[0] - sizes[0] * slope), slope
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` torch threads (None: as they are), then set back the count before
+    it: what this process times or profiles for the workers is timed as a worker runs it."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,

@@ -56,7 +56,7 @@ from pipetrain import costs
 from pipetrain.costs import dp_sync_bytes
 from pipetrain.layers import check_boundaries
 from pipetrain.profiling import Profile
-from pipetrain.runsetup import Setup
+from pipetrain.runsetup import Setup, torch_threads
 from pipetrain.registry import SCHEDULES, STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
 from pipetrain.strategies.allreduce import buckets, last_bucket_bytes
@@ -550,9 +550,11 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         update_s = costs.contended_s(whole.update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
     payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
-    arithmetic = ring_compute_seconds(codec, elements, workers) if reduce_s is None or comm_cpu_s is None else 0.0
-    # beyond the plain adds, which a measured ring's seconds per byte and CPU hold already
-    plain = arithmetic if not codec.lossy or not arithmetic else ring_compute_seconds(get_codec(None), elements, workers)
+    with torch_threads(None if setup is None else setup.threads):  # as a worker's communication thread runs it
+        arithmetic = ring_compute_seconds(codec, elements, workers) if reduce_s is None or comm_cpu_s is None else 0.0
+        # beyond the plain adds, which a measured ring's seconds per byte and CPU hold already
+        plain = arithmetic if not codec.lossy or not arithmetic else \
+            ring_compute_seconds(get_codec(None), elements, workers)
     extra = max(0.0, arithmetic - plain)
     if reduce_s is None:
         reduce_s = costs.contended_s(arithmetic if setup is None or setup.ring_s_per_byte == 0 else extra, slowdown)

@@ -206,6 +206,28 @@ def test_a_one_stage_pipeline_computes_as_long_as_the_setups_step_at_the_whole_m
     assert rate(16) == pytest.approx(32 / (92 * MS))
 
 
+def test_what_a_prediction_times_here_it_times_with_the_workers_thread_count(monkeypatch: pytest.MonkeyPatch):
+    """The codec's arithmetic (pipe-sgd) and the host's copy and add (cgdp) are timed in this process,
+    as a worker with the set-up's thread count runs them (vgg-like's trunc16 ring: 19 ms of arithmetic
+    with this VM's 2 threads, 30-42 ms with the workers' 1); this process's own count comes back."""
+    import pipetrain.strategies.cgdp as cgdp_module
+    import pipetrain.strategies.ring as ring_module
+
+    seen: list[int] = []
+    monkeypatch.setattr(ring_module, "ring_compute_seconds", lambda *a, **k: seen.append(torch.get_num_threads()) or 1e-3)
+    monkeypatch.setattr(cgdp_module, "measure_host_costs", lambda *a, **k: seen.append(torch.get_num_threads())
+                        or {"copy_s_per_byte": 1e-10, "sum_s_per_byte": 1e-10})
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        measured = two_layers(setup(threads=2, cores=8, workers=2))
+        predict_data_parallel(measured, "pipe-sgd", 2, Link(), compression="quant8")
+        choose_strategy(measured, 2, batch_size=2, strategies=["cgdp"])
+        assert seen == [2, 2, 2] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker():
     net = nn.Linear(4, 2)
     assert model_step(net, ((torch.zeros(5, 4), torch.zeros(5, 1)), torch.zeros(5, 2)), nn.functional.mse_loss).rows == 5

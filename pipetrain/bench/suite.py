@@ -54,7 +54,7 @@ import torch
 from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, ps_sync, summarize, \
     torch_pipeline
 from pipetrain.planning.choose import CANDIDATES, COMPRESSED, Choice, choose_strategy
-from pipetrain.runsetup import Launcher, measure_setup, median_seconds, model_step
+from pipetrain.runsetup import Launcher, measure_setup, median_seconds, model_step, torch_threads
 
 PIPE_SGD = {"pipe-sgd": None, "pipe-sgd-trunc16": "trunc16", "pipe-sgd-quant8": "quant8"}
 """pipetrain's Pipe-SGD (K = 2) with each codec inside its ring allreduce."""
@@ -343,13 +343,9 @@ def _profile(cfg: SuiteConfig, peer: PeerConfig, batch: int,
     thread count (and ``optimizer``'s step per layer, if given)."""
     from pipetrain.profiling import profile_model
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         x, y = peer.spec.dataset(batch, seed=peer.seed + 1)[:]
         return profile_model(peer.build(), (x, y), peer.spec.loss_fn, optimizer=optimizer, repeats=5, warmup=2)
-    finally:
-        torch.set_num_threads(before)
 
 
 def stage_times(peer: PeerConfig, boundaries: Sequence[int], repeats: int = 10, warmup: int = 2) -> list[dict[str, Any]]:
@@ -362,9 +358,7 @@ def stage_times(peer: PeerConfig, boundaries: Sequence[int], repeats: int = 10, 
     """
     from pipetrain.layers import LayeredModel
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(peer.threads)
-    try:
+    with torch_threads(peer.threads):
         model = peer.build()
         bounds = [int(b) for b in boundaries]
         layers = LayeredModel(model)
@@ -399,8 +393,6 @@ def stage_times(peer: PeerConfig, boundaries: Sequence[int], repeats: int = 10, 
             with torch.no_grad():
                 value = _as_tuple(piece(*value))
         return out
-    finally:
-        torch.set_num_threads(before)
 
 
 def _report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], split: list[int], source: str,
@@ -478,16 +470,12 @@ def _predictions(cfg: SuiteConfig, peer: PeerConfig, runs: dict[str, dict[int, d
     latency = statistics.median(r["latency_s"] for ranks in rings.values() for r in ranks) if rings else 0.0
     systems = {"ddp": ("ddp", None, None), **{s: ("pipe-sgd", codec, 2) for s, codec in PIPE_SGD.items()}}
     out = {}
-    before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)  # the codec's arithmetic is timed as a worker runs it
-    try:
+    with torch_threads(cfg.threads):  # the codec's arithmetic is timed as a worker runs it
         preds = {system: predict_data_parallel(profile, strategy, cfg.workers, Link(link_bps / 8, latency),
                                                batch_size=cfg.batch_size, staleness=k, compression=codec,
                                                update_s=update_s, comm_cpu_s=comm_cpu.get(system, 0.0),
                                                cores_per_worker=cores)
                  for system, (strategy, codec, k) in systems.items() if system in runs}
-    finally:
-        torch.set_num_threads(before)
     for system, pred in preds.items():
         measured = runs[system][1]["samples_per_s"]
         out[system] = {"predicted_samples_per_s": pred.samples_per_s, "measured_samples_per_s": measured,

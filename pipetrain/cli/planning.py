@@ -17,7 +17,7 @@ from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
-from pipetrain.runsetup import measure_setup, model_step
+from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
@@ -124,13 +124,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
             raise ValueError(f"{args.data} has {len(dataset)} items, fewer than --batch-size {args.batch_size}")
         batch, loss_fn = default_collate([dataset[i] for i in range(args.batch_size)]), load_loss(args.loss)
     threads = args.threads or max(1, (os.cpu_count() or 1) // (args.setup or 1))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         profile = profile_model(model, batch, loss_fn, optimizer=optimizer_of(args), repeats=args.repeats,
                                 warmup=args.warmup)
-    finally:
-        torch.set_num_threads(before)
     if args.setup:
         kernel = model_step(model, tuple(batch), loss_fn) if loss_fn is not None else None
         profile.setup = measure_setup(args.setup, threads, kernel, ring_bytes=profile.parameter_bytes)

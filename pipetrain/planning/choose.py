@@ -20,6 +20,7 @@ from pipetrain.planning.result import Plan
 from pipetrain.planning.units import format_bandwidth, parse_bandwidth
 from pipetrain.profiling import Profile
 from pipetrain.registry import build_schedule
+from pipetrain.runsetup import torch_threads
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
 
 CANDIDATES: dict[str, dict[str, Any]] = {
@@ -199,8 +200,9 @@ def _best_chunk(profile: Profile, workers: int, batch: int, host: dict[str, floa
     from pipetrain.strategies.cgdp import measure_host_costs
 
     units = sum(1 for x in profile.layers if x.parameter_bytes)
-    if host is None:
-        host = measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), workers)
+    if host is None:  # timed as the workers add, with their thread count
+        with torch_threads(None if profile.setup is None else profile.setup.threads):
+            host = measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), workers)
     # a signal is a 1-element allreduce among the machine's workers: 2 (L - 1) messages
     signal = 0.0 if profile.setup is None else float(ring_allreduce_time(
         workers, 4.0, *profile.setup.allreduce_terms(ours=False), 0.0))

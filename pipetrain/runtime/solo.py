@@ -28,6 +28,7 @@ from pipetrain.layers import LayeredModel, flatten, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
 from pipetrain.runtime.transport import Message
 from pipetrain.runtime.worker import epoch_order, microbatch, per_epoch, to_device
+from pipetrain.runsetup import torch_threads
 from pipetrain.schedule import Schedule
 from pipetrain.schedule.actions import FORWARD, SYNC, UPDATE
 from pipetrain.strategies.base import GradSync
@@ -78,17 +79,14 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
     rank = sum(cfg.replicas[:stage]) + replica
     batches = epoch_order(n_items, cfg.batch_size, 0, cfg.shuffle, cfg.seed, cfg.rounds)[:minibatches]
     schedule = job.schedule_for(0, minibatches)
-    threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []):
-        try:
-            prepare_process(job)
-            channel = _Instant(schedule, stage, *_cut_tensors(job, stage, batches[0], schedule.microbatches, where))
-            sync = GradSync() if any(a.kind == SYNC for a in schedule.actions[rank]) else None
-            worker, _ = build_worker(job, rank, where, channel, sync)
-            worker.log = None  # no history file, even inside a launched process
-            worker.run_epoch(schedule, 0, batches, 0)
-        finally:
-            torch.set_num_threads(threads)
+    # prepare_process sets the job's thread count; this process gets its own back after
+    with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), torch_threads(None):
+        prepare_process(job)
+        channel = _Instant(schedule, stage, *_cut_tensors(job, stage, batches[0], schedule.microbatches, where))
+        sync = GradSync() if any(a.kind == SYNC for a in schedule.actions[rank]) else None
+        worker, _ = build_worker(job, rank, where, channel, sync)
+        worker.log = None  # no history file, even inside a launched process
+        worker.run_epoch(schedule, 0, batches, 0)
     assert worker.trace is not None
     return worker.trace
 
