@@ -572,7 +572,7 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     # synchronous SGD waits for the allreduce anyway (eq. 2), so its CPU only counts for K >= 2
     step_s = costs.shared_core_compute_s(update_s, 0.0, comm_cpu_s, cores_per_worker) if k > 1 else update_s
     # DDP allreduces its buckets during the backward: only what is left after it waits
-    waited_s = _ddp_waited_s(profile, workers, batch_size, shard_slowdown, latency, byte_s) \
+    waited_s = _ddp_waited_s(profile, whole, workers, shard_slowdown, latency, byte_s) \
         if strategy == "ddp" and workers > 1 else comm_s
     sim = simulate(build_data_parallel(strategy, workers, minibatches, k), priced, [0], link, batch_size,
                    step_s, sync_s=[waited_s])
@@ -586,7 +586,7 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         bound="compute" if step_s + compute_s >= comm_s else "communication", sim=sim)
 
 
-def _ddp_waited_s(profile: Profile, workers: int, batch_size: int | None, slowdown: float, latency_s: float,
+def _ddp_waited_s(profile: Profile, whole: StageCost, workers: int, slowdown: float, latency_s: float,
                   byte_s: float) -> float:
     """Seconds a DDP worker waits for its allreduces after its own backward: its buckets
     (:data:`pipetrain.strategies.ddp.BUCKET_BYTES`, the first one smaller), in backward order, each
@@ -594,7 +594,7 @@ def _ddp_waited_s(profile: Profile, workers: int, batch_size: int | None, slowdo
     (:func:`pipetrain.costs.overlapped_backward_s`)."""
     from pipetrain.strategies.ddp import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
-    mine = _shard_backward_s(profile, workers, batch_size, slowdown)
+    mine = _shard_backward_s(profile, whole, workers, slowdown)
     bp: list[float] = []
     sizes: list[int] = []
     pending_s, pending_bytes = 0.0, 0
@@ -636,10 +636,10 @@ def _shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: 
     return replace(profile, setup=replace(setup, slowdown=setup.step_s / share)), setup.step_s / share
 
 
-def _shard_backward_s(profile: Profile, workers: int, batch_size: int | None, slowdown: float) -> list[float]:
-    """Each layer's backward on one of ``workers`` data-parallel workers' shard of the minibatch, as long
-    as it takes beside the machine's other workers (``slowdown``)."""
-    [whole] = stage_costs(profile, [0], batch_size)
+def _shard_backward_s(profile: Profile, whole: StageCost, workers: int, slowdown: float) -> list[float]:
+    """Each layer's backward on one of ``workers`` data-parallel workers' shard of the minibatch (``whole``:
+    the profile as one stage, at the minibatch), as long as it takes beside the machine's other workers
+    (``slowdown``)."""
     scale = costs.contended_s(whole.share(workers).backward_s, slowdown) / \
         max(sum(x.backward_s for x in profile.layers), 1e-300)
     return [x.backward_s * scale for x in profile.layers]
@@ -724,7 +724,7 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
         update_s = costs.contended_s(whole.update_s, slowdown)
     if cores_per_worker is None:
         cores_per_worker = math.inf if profile.setup is None else profile.setup.cores_per_worker
-    shard = _shard_backward_s(profile, workers, batch_size, shard_slowdown)
+    shard = _shard_backward_s(profile, whole, workers, shard_slowdown)
     units: list[tuple[list[int], float, int]] = []  # (profile layers, backward seconds, parameter bytes)
     pending: list[int] = []
     for i in reversed(range(len(profile))):
