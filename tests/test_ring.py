@@ -157,6 +157,47 @@ def test_a_dead_peer_raises_instead_of_hanging():
     assert time.monotonic() - t0 < 30
 
 
+class _Counting:
+    """A codec that counts the elements it encodes and decodes, and otherwise is ``inner``."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.granule, self.lossy = inner, inner.name, inner.granule, inner.lossy
+        self.seen = {"encoded": 0, "decoded": 0}
+
+    def payload_bytes(self, n, dtype):
+        return self.inner.payload_bytes(n, dtype)
+
+    def compress(self, x, out=None):
+        self.seen["encoded"] += x.numel()
+        return self.inner.compress(x, out=out)
+
+    def decompress(self, payload, out):
+        self.seen["decoded"] += out.numel()
+        return self.inner.decompress(payload, out)
+
+
+def _counted_ring_job(name: str, n: int) -> dict:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    codec = _Counting(get_codec(name))
+    p = dist.get_world_size()
+    b = block_size(n, p, codec.granule)
+    ring_allreduce(_padded(3, dist.get_rank(), n, torch.float32, p * b).view(p, b), None, codec)
+    return codec.seen
+
+
+@pytest.mark.parametrize("name", ["trunc16", "quant8"])
+def test_what_the_codec_timing_runs_is_what_a_rank_of_the_ring_runs(name):
+    # a rank encodes its own block and then each of the p-1 partial sums it passes on; it decodes each
+    # of the p-1 partial sums it receives, the final block it made, and the p-1 final blocks the
+    # all-gather brings: p encodes and 2p-1 decodes of a block, whatever the chunks
+    n, p = 5 * G + 123, 3
+    b = block_size(n, p, get_codec(name).granule)
+    assert spawn(_counted_ring_job, p, (name, n)) == [{"encoded": p * b, "decoded": (2 * p - 1) * b}] * p
+    codec = _Counting(get_codec(name))
+    ring_module.ring_compute_seconds(codec, n, p, repeats=1)  # one warm-up and one timed run
+    assert codec.seen == {"encoded": 2 * p * b, "decoded": 2 * (2 * p - 1) * b}
+
+
 # ---- codecs ---------------------------------------------------------------------------------------
 
 def _f32(bits: list[int]) -> torch.Tensor:

@@ -189,8 +189,9 @@ def ring_compute_seconds(codec: Codec, elements: int, workers: int, dtype: torch
                          repeats: int = 3) -> float:
     """Seconds of arithmetic one rank spends in one :func:`ring_allreduce` of ``elements`` over
     ``workers`` ranks, timed here without sending anything: the first encode, p-1 reduce steps
-    (decode, add, encode; an add alone for ``none``) and p-1 all-gather decodes. The median of
-    ``repeats``; the γ of Pipe-SGD's ring model (:func:`pipetrain.costs.ring_allreduce_time`).
+    (decode, add, encode; an add alone for ``none``) and p decodes of the final blocks (the one it
+    reduced last, then the p-1 the all-gather brings). The median of ``repeats``; the γ of Pipe-SGD's
+    ring model (:func:`pipetrain.costs.ring_allreduce_time`).
     """
     import statistics
     import time
@@ -208,7 +209,7 @@ def ring_compute_seconds(codec: Codec, elements: int, workers: int, dtype: torch
             for _ in range(workers - 1):
                 codec.decompress(payload, out=acc).add_(g)
                 codec.compress(acc, out=payload)
-            for _ in range(workers - 1):
+            for _ in range(workers):
                 codec.decompress(payload, out=acc)
         else:
             for _ in range(workers - 1):
