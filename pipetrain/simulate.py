@@ -521,8 +521,9 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
 
     With a measured set-up in the profile, compute takes its ``slowdown`` times as long, every ring
     step the measured allreduce's latency more (our ring's for pipe-sgd, the backend's for ddp), at the
-    slower of the link's and the measured ring's seconds per byte, and pipe-sgd's update its copy of
-    the gradient out of ``.grad``. ``ddp`` waits after its backward only for what its bucket
+    slower of the link's and the measured ring's seconds per byte, pipe-sgd's update its copy of the
+    gradient out of ``.grad``, and its allreduce the division of the sum into the mean (the set-up's
+    ``add_s_per_byte`` over the gradient, on the communication thread). ``ddp`` waits after its backward only for what its bucket
     allreduces during the backward did not finish (``comm_s`` stays one allreduce of the whole
     gradient).
         minibatches: how many the simulator runs (its rate is taken between the first and last update).
@@ -560,10 +561,13 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         reduce_s = costs.contended_s(arithmetic if setup is None or setup.ring_s_per_byte == 0 else extra, slowdown)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
     latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
-    comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) if workers > 1 else 0.0
-    if comm_cpu_s is None:  # CPU seconds of the ring's messages and adds, and the codec's work
+    # after our ring, its thread divides the sum by p: one pass over the gradient, priced as an add
+    mean_s = whole.parameter_bytes * setup.add_s_per_byte if spec.compresses and setup is not None else 0.0
+    comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) + \
+        costs.contended_s(mean_s, slowdown) if workers > 1 else 0.0
+    if comm_cpu_s is None:  # CPU seconds of the ring's messages and adds, the codec's work and the mean
         comm_cpu_s = 0.0 if setup is None else \
-            setup.ring_cpu(workers, payload / workers) + (extra if setup.ring_cpu_s > 0 else arithmetic)
+            setup.ring_cpu(workers, payload / workers) + (extra if setup.ring_cpu_s > 0 else arithmetic) + mean_s
     if cores_per_worker is None:
         cores_per_worker = math.inf if setup is None else setup.cores_per_worker
     # our ring's A copies the gradient out of .grad on the compute thread

@@ -116,6 +116,22 @@ def test_gradient_allreduces_are_priced_with_the_measured_allreduces_not_the_mes
     assert without.comm_s == pytest.approx(2 * 1 * MS + 800 * 1e-6)
 
 
+def test_pipe_sgds_mean_is_one_pass_over_the_gradient_after_its_ring():
+    """Both layers' 800 parameter bytes on 2 workers; an add costs 1 us/B. Pipe-sgd's thread divides the
+    ring's sum by p: 0.8 ms, 1.6 ms at slowdown 2, after the ring of 2 x 3 ms + 800 x 2 us/B. With 4
+    workers on 4 cores its 0.8 ms of CPU joins the ring's 7.2 ms on the compute side (update 2 x 0.5 ms).
+    DDP's backend divides inside its allreduce: nothing is added to it."""
+    measured = setup(cores=8, ring_latency_s=3 * MS, ring_s_per_byte=2e-6, allreduce_latency_s=0.5 * MS,
+                     add_s_per_byte=1e-6)
+    assert predict_data_parallel(two_layers(measured), "pipe-sgd", 2, Link(), reduce_s=0.0).comm_s == \
+        pytest.approx(2 * 3 * MS + 800 * 2e-6 + 2 * 0.8 * MS)
+    assert predict_data_parallel(two_layers(measured), "ddp", 2, Link(), reduce_s=0.0).comm_s == \
+        pytest.approx(2 * 0.5 * MS + 800 * 2e-6)
+    shared = setup(workers=4, cores=4, ring_cpu_s=1 * MS, ring_cpu_s_per_byte=1e-6, add_s_per_byte=1e-6)
+    assert predict_data_parallel(two_layers(shared), "pipe-sgd", 4, Link(), reduce_s=0.0).update_s == \
+        pytest.approx(2 * MS + 7.2 * MS + 0.8 * MS)
+
+
 def test_pipe_sgd_charges_the_rings_measured_cpu_spread_over_the_shared_cores():
     """Both layers (800 parameter bytes) on 4 workers: a ring block of 200 B. The measured ring costs
     1 ms + 1 us/B of CPU per step, so one allreduce 2 (4-1) (1 + 0.2) = 7.2 ms. Compute and the
