@@ -1,7 +1,7 @@
 """Data-parallel predictions against steady-state runs on one machine (issue 11, goal 2: pipe-sgd and
 cgdp within 15%).
 
-    flock /tmp/pipetrain-bench.lock python benchmarks/dp_predictions.py [--models a,b] [--reps 3] [--json F]
+    flock /tmp/pipetrain-bench.lock python benchmarks/dp_predictions.py [--models a,b] [--reps 5] [--json F]
     python benchmarks/dp_predictions.py --smoke    # lstm-lm, 8 updates, 1 run each: the script end to end
 
 For each zoo model, with the workers and batch of ``benchmarks/auto_pick.py``, each of ``--reps`` rounds
@@ -16,7 +16,10 @@ connections, first page faults): the steady state a prediction is about. A candi
 median of its rounds' predictions beside the median of its runs: on this VM both a profile and a run
 read its speed at the moment they are taken (it swings by +-12% over seconds), so the prediction is
 sampled as often as the run. ``pairs`` counts the rounds whose own prediction came within 15% of
-their own run.
+their own run. Five rounds, not three: over five runs of three rounds (300 rounds), one round's
+prediction over its own run varied with a standard deviation of 11-14% per strategy, so the medians of
+three rounds still moved between runs (the 16 pipe-sgd and cgdp cells of the three runs at 8d82f0f:
+a standard deviation of 8.5% on average), too much to tell 15% apart.
 
 The CGDP chunk search is left out on purpose: it tries chunk sizes on timings that vary by +-25% here,
 so where it lands is a property of the search, not of the cost model (``benchmarks/cgdp_chunks.py``
@@ -87,7 +90,7 @@ def run_model(model: str, reps: int, log: Any, steps: int = STEPS, warm: int = W
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    ap.add_argument("--reps", type=int, default=3,
+    ap.add_argument("--reps", type=int, default=5,
                     help="rounds of auto's predictions, each followed by one run of every candidate (medians kept)")
     ap.add_argument("--json", default=None, help="also write every number here")
     ap.add_argument("--smoke", action="store_true",
