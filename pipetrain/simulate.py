@@ -523,9 +523,9 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     step the measured allreduce's latency more (our ring's for pipe-sgd, the backend's for ddp), at the
     slower of the link's and the measured ring's seconds per byte, pipe-sgd's update its copy of the
     gradient out of ``.grad``, and its allreduce the division of the sum into the mean (the set-up's
-    ``add_s_per_byte`` over the gradient, on the communication thread). ``ddp`` waits after its backward only for what its bucket
-    allreduces during the backward did not finish (``comm_s`` stays one allreduce of the whole
-    gradient).
+    ``add_s_per_byte`` over the gradient, on the communication thread). ``ddp`` waits after its
+    backward only for what its bucket allreduces during the backward did not finish (``comm_s`` stays
+    one allreduce of the whole gradient).
         minibatches: how many the simulator runs (its rate is taken between the first and last update).
 
     Raises:
