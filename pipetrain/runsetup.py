@@ -16,13 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from pipetrain import costs
+from pipetrain.strategies.compression import CODECS, Codec
 
 MESSAGE_SIZES = (4096, 1 << 20)
 """Bytes of the two ping-pong messages a line (latency + bytes x seconds per byte) is drawn through."""
@@ -64,6 +65,11 @@ class Setup:
         ring_cpu_s, ring_cpu_s_per_byte: CPU seconds a rank spends in one step of our ring allreduce,
             fixed and per byte of its block (:func:`pipetrain.costs.ring_allreduce_cpu_s`), with nothing
             else running (:func:`_ring_cpu`); 0 when not measured, and the message figures stand in.
+        codec_ring_cpu_s, ring_cpu_bytes: CPU seconds a rank spends in one whole ring allreduce of a
+            gradient of ``ring_cpu_bytes`` with each lossy codec (by name), with nothing else running,
+            as the plain ring's CPU is measured (:func:`_ring_cpu`); empty and 0 when not measured (the
+            plain ring's line and the codec's arithmetic timed apart stand in: see
+            :meth:`codec_ring_cpu`).
         add_s_per_byte: adding memory into memory of the same size, per byte of one of them (a
             microbatch's gradients added into ``.grad``); 0 when not measured.
         step_s, step_rows: the seconds one call of the measured kernel took with all ``workers`` calling
@@ -94,6 +100,8 @@ class Setup:
     idle_latency_s: float = 0.0
     step_s: float = 0.0
     step_rows: int = 0
+    codec_ring_cpu_s: dict[str, float] = field(default_factory=dict)
+    ring_cpu_bytes: int = 0
 
     @property
     def cores_per_worker(self) -> float:
@@ -121,6 +129,20 @@ class Setup:
             return costs.ring_allreduce_cpu_s(workers, block_bytes, self.ring_cpu_s, self.ring_cpu_s_per_byte)
         return 2 * costs.ring_allreduce_cpu_s(workers, block_bytes, self.message_cpu_s, self.message_cpu_s_per_byte)
 
+    def codec_ring_cpu(self, codec: str, workers: int, nbytes: int) -> float | None:
+        """CPU seconds one rank spent in our ring allreduce of ``nbytes`` of gradient over ``workers``
+        with ``codec``, as measured in this set-up; None where it was not measured for that codec, those
+        workers and that size.
+
+        Ours: priced from the plain ring's line at the payload's bytes plus the codec's arithmetic timed
+        apart, a codec's ring came out short of what it costs: vgg-like on 2 workers, 68 and 67 ms
+        (trunc16, quant8) against 68-83 and 75-81 ms measured alone; mnist-mlp on 4, 9.1 and 7.8 against
+        9.2-13.8 and 10.7-12.5 (its blocks travel in 5 and 3 chunks where the line assumes fewer bytes
+        cost less, and the arithmetic runs per chunk: 1.4 and 2.6 ms against 0.6 and 1.2 timed whole)."""
+        if workers != self.workers or nbytes != self.ring_cpu_bytes:
+            return None
+        return self.codec_ring_cpu_s.get(codec)
+
     def shared_cpu(self, nbytes: float) -> float:
         """Seconds one message end takes from the worker's compute: none with 2 or more cores each, else
         its CPU (its transport threads then run on the cores it computes on), over the worker's share of
@@ -133,9 +155,14 @@ class Setup:
         (:func:`pipetrain.profiling._field`); ValueError naming the field otherwise."""
         if not isinstance(data, dict):
             raise ValueError(f"profile: 'setup' is {data!r:.40}, not an object")
-        kinds = {"backend": str, "workers": int, "threads": int, "cores": int, "step_rows": int}
-        return Setup(**{f.name: field_of(data, f.name, "setup", kinds.get(f.name, float),
-                                         None if f.default is MISSING else f.default) for f in fields(Setup)})
+        kinds = {"backend": str, "workers": int, "threads": int, "cores": int, "step_rows": int, "ring_cpu_bytes": int}
+        codecs = data.get("codec_ring_cpu_s", {})
+        if not isinstance(codecs, dict):
+            raise ValueError(f"profile: 'setup.codec_ring_cpu_s' is {codecs!r:.40}, not an object")
+        return Setup(codec_ring_cpu_s={str(k): field_of(codecs, k, "setup.codec_ring_cpu_s", float) for k in codecs},
+                     **{f.name: field_of(data, f.name, "setup", kinds.get(f.name, float),
+                                         None if f.default is MISSING else f.default)
+                        for f in fields(Setup) if f.name != "codec_ring_cpu_s"})
 
     def describe(self) -> str:
         """One line for people."""
@@ -145,7 +172,9 @@ class Setup:
                 f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B, "
                 f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step and "
                 f"{1e6 * self.allreduce_cpu_s:.0f} us of CPU, ring CPU {1e6 * self.ring_cpu_s:.0f} us per step + "
-                f"{1e9 * self.ring_cpu_s_per_byte:.2f} ns/B, 10 ms of compute "
+                f"{1e9 * self.ring_cpu_s_per_byte:.2f} ns/B"
+                + "".join(f", {name} ring {1e3 * s:.1f} ms of CPU" for name, s in self.codec_ring_cpu_s.items())
+                + f", 10 ms of compute "
                 f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms"
                 + (f", a training step of {self.step_rows} rows {1e3 * self.step_s:.1f} ms all at once" if self.step_rows else ""))
 
@@ -171,8 +200,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     it: :func:`_allreduce_at_sync`); then while a thread of every rank runs ``kernel``, as the compute
     threads of a running job do, for the time per message (its transport threads then wait for a core)
     and our ring's line. Our ring's CPU is measured with nothing else running (:func:`_ring_cpu`) at
-    ``ring_bytes`` (the job's gradient: pass the model's parameter bytes) and a quarter of it, where a
-    codec's payloads lie, else at two of :data:`RING_BYTES`.
+    ``ring_bytes`` (the job's gradient: pass the model's parameter bytes) and a quarter of it, and at
+    ``ring_bytes`` with each lossy codec, else at two of :data:`RING_BYTES` and with no codec.
     """
     from pipetrain.runtime.launch import spawn
 
@@ -180,8 +209,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     run = launch or (lambda fn, args, world: spawn(fn, world, args, describe="set-up probe {}".format))
     big = RING_BYTES[2] if ring_bytes is None else min(RING_CPU_MAX_BYTES, max(ring_bytes, 4 * RING_BYTES[0]))
     sizes = (RING_BYTES[1], big) if ring_bytes is None else (big // 4, big)
-    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, sizes),
-                  max(2, workers))
+    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, sizes,
+                           ring_bytes is not None), max(2, workers))
     return Setup(**results[0])
 
 
@@ -239,8 +268,9 @@ def _jitter(calls: list[list[float]]) -> float:
 
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
-           timeout: float, compute_rounds: int, ring_cpu_bytes: tuple[int, int]) -> dict[str, Any]:
-    """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields."""
+           timeout: float, compute_rounds: int, ring_cpu_bytes: tuple[int, int], codecs: bool) -> dict[str, Any]:
+    """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``codecs``: time our ring's
+    CPU with each lossy codec at the larger of ``ring_cpu_bytes`` too."""
     import torch.distributed as dist
 
     from pipetrain.runtime.job import init_distributed
@@ -268,6 +298,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     idle, cpu = _ping_pong(transport, rank, rounds, device)
     allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
     ring_cpu, ring_cpu_per_byte = _ring_cpu(device, ring_cpu_bytes)
+    codec_cpu = {name: _ring_cpu_s(device, codec, ring_cpu_bytes[1])
+                 for name, codec in CODECS.items() if codec.lossy and codecs}
     stop = threading.Event()
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
@@ -288,7 +320,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
-                step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0)
+                step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0, codec_ring_cpu_s=codec_cpu,
+                ring_cpu_bytes=ring_cpu_bytes[1] if codecs else 0)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -362,35 +395,43 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
     return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
 
 
-def _ring_cpu(device: torch.device, sizes: tuple[int, int], rounds: int = 3) -> tuple[float, float]:
+def _ring_cpu(device: torch.device, sizes: tuple[int, int]) -> tuple[float, float]:
     """(CPU seconds per step, per byte of its block) of :func:`pipetrain.strategies.ring.ring_allreduce`
-    over every rank with nothing else running: ``rounds`` calls at each of two gradient ``sizes``
-    (bytes), lined up by a barrier, each rank's median CPU of its whole process (gloo's threads
-    included) averaged over the ranks, and the line of :func:`pipetrain.costs.ring_allreduce_cpu_s`
-    through the two. The line is not straight over all sizes: a block travels in 1 to 16 messages
-    ([Note: chunks] in :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB
-    and 0.69-0.73 ms at 1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With
-    a thread of every rank computing it is about as much (3 ranks, 3.3 MB: 10.4 ms alone, 9.8 ms beside
-    a matmul loop)."""
+    over every rank with nothing else running (:func:`_ring_cpu_s`) at two gradient ``sizes`` (bytes),
+    and the line of :func:`pipetrain.costs.ring_allreduce_cpu_s` through the two. The line is not
+    straight over all sizes: a block travels in 1 to 16 messages ([Note: chunks] in
+    :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB and 0.69-0.73 ms at
+    1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With a thread of every
+    rank computing it is about as much (3 ranks, 3.3 MB: 10.4 ms alone, 9.8 ms beside a matmul loop)."""
     import torch.distributed as dist
 
-    from pipetrain.strategies.compression import get_codec
+    from pipetrain.strategies.ring import block_size
+
+    world, codec = dist.get_world_size(), CODECS["none"]
+    block = [block_size(nbytes // 4, world, 1) for nbytes in sizes]  # elements per rank's block
+    per_step = [_ring_cpu_s(device, codec, nbytes) / (2 * (world - 1)) for nbytes in sizes]
+    return _line(per_step, (4 * block[0], 4 * block[1]))
+
+
+def _ring_cpu_s(device: torch.device, codec: Codec, nbytes: int, rounds: int = 3) -> float:
+    """CPU seconds of one :func:`pipetrain.strategies.ring.ring_allreduce` of a float32 gradient of
+    ``nbytes`` with ``codec`` over every rank, nothing else running: ``rounds`` calls lined up by a
+    barrier after one that warms the ring's buffers up, each rank's median CPU of its whole process
+    (gloo's threads included), averaged over the ranks."""
+    import torch.distributed as dist
+
     from pipetrain.strategies.ring import block_size, ring_allreduce
 
-    world, codec = dist.get_world_size(), get_codec(None)
-    block = [block_size(nbytes // 4, world, 1) for nbytes in sizes]  # elements per rank's block
+    world = dist.get_world_size()
+    blocks = torch.zeros(world, block_size(nbytes // 4, world, codec.granule), device=device)
     held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
-    per_step = []
-    for b in block:
-        blocks = torch.zeros(world, b, device=device)
-        cpu = []
-        for _ in range(rounds + 1):  # the first warms the ring's buffers up
-            dist.barrier()
-            c0 = time.process_time()
-            ring_allreduce(blocks, None, codec, held)
-            cpu.append(time.process_time() - c0)
-        per_step.append(_mean_over_ranks(statistics.median(cpu[1:]), device) / (2 * (world - 1)))
-    return _line(per_step, (4 * block[0], 4 * block[1]))
+    cpu = []
+    for _ in range(rounds + 1):
+        dist.barrier()
+        c0 = time.process_time()
+        ring_allreduce(blocks, None, codec, held)
+        cpu.append(time.process_time() - c0)
+    return _mean_over_ranks(statistics.median(cpu[1:]), device)
 
 
 STAGGER_S = 0.002

@@ -60,6 +60,7 @@ from pipetrain.runsetup import Setup, torch_threads
 from pipetrain.registry import SCHEDULES, STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
 from pipetrain.strategies.allreduce import buckets, last_bucket_bytes
+from pipetrain.strategies.compression import Codec
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
 )
@@ -515,9 +516,10 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         comm_cpu_s, cores_per_worker: CPU seconds one allreduce costs a worker, and the cores each
             worker has: with fewer than 2, a stale strategy's compute side carries that CPU too
             (:func:`pipetrain.costs.shared_core_compute_s`; the simulator charges it to ``U``). Default:
-            from the profile's measured set-up (our ring's CPU alone,
-            :meth:`~pipetrain.runsetup.Setup.ring_cpu`, and the codec's arithmetic beyond its adds),
-            else 0 and unlimited.
+            from the profile's measured set-up (our ring's CPU alone with the codec at this gradient,
+            :meth:`~pipetrain.runsetup.Setup.codec_ring_cpu`, where measured, else the plain ring's,
+            :meth:`~pipetrain.runsetup.Setup.ring_cpu`, and the codec's arithmetic beyond its adds;
+            then the mean), else 0 and unlimited.
 
     With a measured set-up in the profile, compute takes its ``slowdown`` times as long, every ring
     step the measured allreduce's latency more (our ring's for pipe-sgd, the backend's for ddp), at the
@@ -566,8 +568,8 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) + \
         costs.contended_s(mean_s, slowdown) if workers > 1 else 0.0
     if comm_cpu_s is None:  # CPU seconds of the ring's messages and adds, the codec's work and the mean
-        comm_cpu_s = 0.0 if setup is None else \
-            setup.ring_cpu(workers, payload / workers) + (extra if setup.ring_cpu_s > 0 else arithmetic) + mean_s
+        comm_cpu_s = 0.0 if setup is None else mean_s + _ring_cpu_s(
+            setup, codec, workers, whole.parameter_bytes, payload, extra if setup.ring_cpu_s > 0 else arithmetic)
     if cores_per_worker is None:
         cores_per_worker = math.inf if setup is None else setup.cores_per_worker
     # our ring's A copies the gradient out of .grad on the compute thread
@@ -588,6 +590,16 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         scaling_efficiency=float(costs.scaling_efficiency(step_s, compute_s, comm_s)), compute_s=compute_s,
         update_s=step_s, comm_s=comm_s, payload_bytes=payload,
         bound="compute" if step_s + compute_s >= comm_s else "communication", sim=sim)
+
+
+def _ring_cpu_s(setup: Setup, codec: Codec, workers: int, gradient_bytes: int, payload: int,
+                arithmetic_s: float) -> float:
+    """CPU seconds one rank spends in our ring allreduce of ``gradient_bytes`` over ``workers`` with
+    ``codec`` (``payload`` bytes of blocks in all): as the set-up measured that ring, where it did
+    (:meth:`~pipetrain.runsetup.Setup.codec_ring_cpu`), else the plain ring's CPU at the payload's
+    blocks and ``arithmetic_s`` (the codec's work beyond what that holds)."""
+    measured = setup.codec_ring_cpu(codec.name, workers, gradient_bytes) if codec.lossy else None
+    return measured if measured is not None else setup.ring_cpu(workers, payload / workers) + arithmetic_s
 
 
 def _ddp_waited_s(profile: Profile, whole: StageCost, workers: int, slowdown: float, latency_s: float,

@@ -149,6 +149,33 @@ def test_pipe_sgd_charges_the_rings_measured_cpu_spread_over_the_shared_cores():
     assert step_s(cores=4, ring_cpu_s=0.0) == pytest.approx(2 * MS + 2 * 6 * 0.2 * MS, abs=0.05 * MS)
 
 
+def test_a_codecs_ring_is_charged_the_cpu_the_set_up_measured_for_it_at_the_jobs_gradient():
+    """Both layers' 800 parameter bytes on 4 workers with one core each: quant8's ring measured at
+    those 800 bytes costs 5 ms of CPU, and the mean after it 800 B x 1 us/B. The compute side is the
+    update (2 x 0.5 ms) and that CPU. Measured at another gradient or for other workers, the plain
+    ring's line at quant8's blocks (4 x 1028 B: one 1024-element granule each) stands in, plus the
+    codec's arithmetic timed here (well under a millisecond for 1024 floats)."""
+    def step_s(workers: int = 4, nbytes: int = 800) -> float:
+        measured = setup(workers=workers, cores=workers, ring_cpu_s=1 * MS, ring_cpu_s_per_byte=1e-6,
+                         add_s_per_byte=1e-6, codec_ring_cpu_s={"quant8": 5 * MS}, ring_cpu_bytes=nbytes)
+        return predict_data_parallel(two_layers(measured), "pipe-sgd", 4, Link(), compression="quant8",
+                                     reduce_s=0.0).update_s
+
+    assert step_s() == pytest.approx(2 * MS + 5 * MS + 0.8 * MS)
+    line = 2 * 3 * (1 * MS + 1028 * 1e-6)
+    for other in (step_s(nbytes=1600), step_s(workers=2)):
+        assert 2 * MS + line + 0.8 * MS < other < 2 * MS + line + 0.8 * MS + 2 * MS
+
+
+def test_a_setups_codec_cpu_must_be_numbers_by_codec():
+    fields = dataclasses.asdict(setup(codec_ring_cpu_s={"quant8": 5 * MS}, ring_cpu_bytes=800))
+    assert Setup.from_dict(fields, _field).codec_ring_cpu("quant8", 2, 800) == 5 * MS
+    with pytest.raises(ValueError, match=r"setup.codec_ring_cpu_s: 'quant8' is -1"):
+        Setup.from_dict({**fields, "codec_ring_cpu_s": {"quant8": -1}}, _field)
+    with pytest.raises(ValueError, match=r"'setup.codec_ring_cpu_s' is 3, not an object"):
+        Setup.from_dict({**fields, "codec_ring_cpu_s": 3}, _field)
+
+
 def test_starting_a_replicated_stages_allreduce_costs_a_message_ends_cpu():
     """The same stage on 2 workers that share one core: its A, which starts the allreduce of the last
     (here the only) bucket, takes a message end's CPU of those 800 bytes (0.2 ms, 0.4 ms of the worker's
@@ -305,6 +332,7 @@ def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with
     old = Setup.from_dict(fields, _field)
     assert (old.ring_latency_s, old.ring_s_per_byte, old.allreduce_latency_s, old.allreduce_cpu_s,
             old.ring_cpu_s, old.ring_cpu_s_per_byte) == (0.0,) * 6
+    assert old.codec_ring_cpu_s == {} and old.codec_ring_cpu("quant8", 2, 0) is None
     assert old.allreduce_terms(ours=True) == old.allreduce_terms(ours=False) == (old.latency_s, old.s_per_byte)
 
 
@@ -312,6 +340,8 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18)
     assert measured.ring_s_per_byte > 0 and measured.allreduce_latency_s > 0 and measured.allreduce_cpu_s > 0
     assert measured.ring_cpu(2, 1 << 17) > 0 and "ring CPU" in measured.describe()
+    assert measured.ring_cpu_bytes == 1 << 18 and "quant8 ring" in measured.describe()
+    assert all((measured.codec_ring_cpu(name, 2, 1 << 18) or 0) > 0 for name in ("trunc16", "quant8"))
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
