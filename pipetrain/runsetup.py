@@ -201,7 +201,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     threads of a running job do, for the time per message (its transport threads then wait for a core)
     and our ring's line. Our ring's CPU is measured with nothing else running (:func:`_ring_cpu`) at
     ``ring_bytes`` (the job's gradient: pass the model's parameter bytes) and a quarter of it, and at
-    ``ring_bytes`` with each lossy codec, else at two of :data:`RING_BYTES` and with no codec.
+    ``ring_bytes`` with each lossy codec (unless it is below 4 x 64 KB or above
+    :data:`RING_CPU_MAX_BYTES`), else at two of :data:`RING_BYTES` and with no codec.
     """
     from pipetrain.runtime.launch import spawn
 
@@ -210,7 +211,7 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     big = RING_BYTES[2] if ring_bytes is None else min(RING_CPU_MAX_BYTES, max(ring_bytes, 4 * RING_BYTES[0]))
     sizes = (RING_BYTES[1], big) if ring_bytes is None else (big // 4, big)
     results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, sizes,
-                           ring_bytes is not None), max(2, workers))
+                           big == ring_bytes), max(2, workers))
     return Setup(**results[0])
 
 

@@ -568,7 +568,7 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) + \
         costs.contended_s(mean_s, slowdown) if workers > 1 else 0.0
     if comm_cpu_s is None:  # CPU seconds of the ring's messages and adds, the codec's work and the mean
-        comm_cpu_s = 0.0 if setup is None else mean_s + _ring_cpu_s(
+        comm_cpu_s = 0.0 if setup is None else mean_s + _priced_ring_cpu_s(
             setup, codec, workers, whole.parameter_bytes, payload, extra if setup.ring_cpu_s > 0 else arithmetic)
     if cores_per_worker is None:
         cores_per_worker = math.inf if setup is None else setup.cores_per_worker
@@ -592,8 +592,8 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         bound="compute" if step_s + compute_s >= comm_s else "communication", sim=sim)
 
 
-def _ring_cpu_s(setup: Setup, codec: Codec, workers: int, gradient_bytes: int, payload: int,
-                arithmetic_s: float) -> float:
+def _priced_ring_cpu_s(setup: Setup, codec: Codec, workers: int, gradient_bytes: int, payload: int,
+                       arithmetic_s: float) -> float:
     """CPU seconds one rank spends in our ring allreduce of ``gradient_bytes`` over ``workers`` with
     ``codec`` (``payload`` bytes of blocks in all): as the set-up measured that ring, where it did
     (:meth:`~pipetrain.runsetup.Setup.codec_ring_cpu`), else the plain ring's CPU at the payload's
