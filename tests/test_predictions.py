@@ -275,9 +275,11 @@ def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker()
     net = nn.Linear(4, 2)
     assert model_step(net, ((torch.zeros(5, 4), torch.zeros(5, 1)), torch.zeros(5, 2)), nn.functional.mse_loss).rows == 5
     measured = measure_setup(2, 1, model_step(net, (torch.randn(3, 4), torch.randn(3, 2)), nn.functional.mse_loss),
-                             seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18)
+                             seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=40)
     assert measured.step_rows == 3 and 0 < measured.step_s < 0.05 and "a training step of 3 rows" in measured.describe()
     assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
+    # its 40 B of gradient are below the rings the probe times: no codec's ring is measured at them
+    assert measured.codec_ring_cpu_s == {} and measured.codec_ring_cpu("quant8", 2, 40) is None
 
 
 def test_the_last_of_several_workers_arrives_as_order_statistics_say():
@@ -342,6 +344,7 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert measured.ring_cpu(2, 1 << 17) > 0 and "ring CPU" in measured.describe()
     assert measured.ring_cpu_bytes == 1 << 18 and "quant8 ring" in measured.describe()
     assert all((measured.codec_ring_cpu(name, 2, 1 << 18) or 0) > 0 for name in ("trunc16", "quant8"))
+    assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
