@@ -210,8 +210,9 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     run = launch or (lambda fn, args, world: spawn(fn, world, args, describe="set-up probe {}".format))
     big = RING_BYTES[2] if ring_bytes is None else min(RING_CPU_MAX_BYTES, max(ring_bytes, 4 * RING_BYTES[0]))
     sizes = (RING_BYTES[1], big) if ring_bytes is None else (big // 4, big)
-    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, sizes,
-                           big == ring_bytes), max(2, workers))
+    codec_bytes = big if big == ring_bytes else 0  # where a job's gradient can match it
+    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, sizes, codec_bytes),
+                  max(2, workers))
     return Setup(**results[0])
 
 
@@ -269,9 +270,9 @@ def _jitter(calls: list[list[float]]) -> float:
 
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
-           timeout: float, compute_rounds: int, ring_cpu_bytes: tuple[int, int], codecs: bool) -> dict[str, Any]:
-    """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``codecs``: time our ring's
-    CPU with each lossy codec at the larger of ``ring_cpu_bytes`` too."""
+           timeout: float, compute_rounds: int, ring_cpu_bytes: tuple[int, int], codec_bytes: int) -> dict[str, Any]:
+    """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``codec_bytes``: the
+    gradient our ring's CPU is timed at with each lossy codec too (0: none)."""
     import torch.distributed as dist
 
     from pipetrain.runtime.job import init_distributed
@@ -299,8 +300,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     idle, cpu = _ping_pong(transport, rank, rounds, device)
     allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
     ring_cpu, ring_cpu_per_byte = _ring_cpu(device, ring_cpu_bytes)
-    codec_cpu = {name: _ring_cpu_s(device, codec, ring_cpu_bytes[1])
-                 for name, codec in CODECS.items() if codec.lossy and codecs}
+    codec_cpu = {name: _ring_cpu_s(device, codec, codec_bytes)
+                 for name, codec in CODECS.items() if codec.lossy} if codec_bytes else {}
     stop = threading.Event()
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
@@ -322,7 +323,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
                 step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0, codec_ring_cpu_s=codec_cpu,
-                ring_cpu_bytes=ring_cpu_bytes[1] if codecs else 0)
+                ring_cpu_bytes=codec_bytes)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
