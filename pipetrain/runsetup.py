@@ -359,6 +359,10 @@ RING_BYTES = (1 << 16, 1 << 20, 1 << 25)
 """Gradient bytes of the small ring allreduce, and the bounds of the large one (:func:`_ring_line`)."""
 RING_CPU_MAX_BYTES = 1 << 27
 """The largest gradient :func:`_ring_cpu` allreduces (a larger job's is priced from its line)."""
+RING_CPU_SECONDS = 1.0
+"""About how long :func:`_ring_cpu_s` times one ring allreduce over (fewer calls on a slow link)."""
+RING_CPU_CALLS = (3, 9)
+"""The fewest and the most calls :func:`_ring_cpu_s` takes the median of."""
 RING_SECONDS = 0.1
 """About how long the large ring allreduce should take, judged from the ping-pong's seconds per byte."""
 
@@ -415,11 +419,14 @@ def _ring_cpu(device: torch.device, sizes: tuple[int, int]) -> tuple[float, floa
     return _line(per_step, (4 * block[0], 4 * block[1]))
 
 
-def _ring_cpu_s(device: torch.device, codec: Codec, nbytes: int, rounds: int = 3) -> float:
+def _ring_cpu_s(device: torch.device, codec: Codec, nbytes: int) -> float:
     """CPU seconds of one :func:`pipetrain.strategies.ring.ring_allreduce` of a float32 gradient of
-    ``nbytes`` with ``codec`` over every rank, nothing else running: ``rounds`` calls lined up by a
-    barrier after one that warms the ring's buffers up, each rank's median CPU of its whole process
-    (gloo's threads included), averaged over the ranks."""
+    ``nbytes`` with ``codec`` over every rank, nothing else running: calls lined up by a barrier after
+    one that warms the ring's buffers up, each rank's median CPU of its whole process (gloo's threads
+    included), averaged over the ranks. As many calls as fit in :data:`RING_CPU_SECONDS` (by the
+    slowest rank's warm-up), between :data:`RING_CPU_CALLS`: one call's CPU varies a lot (vgg-like's
+    107 MB ring on 2 ranks: 50-58 ms on one rank and 53-82 ms on the other over 12 calls), and the
+    median of 3 read 44-75 ms in four probes."""
     import torch.distributed as dist
 
     from pipetrain.strategies.ring import block_size, ring_allreduce
@@ -427,13 +434,19 @@ def _ring_cpu_s(device: torch.device, codec: Codec, nbytes: int, rounds: int = 3
     world = dist.get_world_size()
     blocks = torch.zeros(world, block_size(nbytes // 4, world, codec.granule), device=device)
     held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
+    dist.barrier()
+    w0 = time.perf_counter()
+    ring_allreduce(blocks, None, codec, held)
+    warm = torch.tensor([time.perf_counter() - w0], dtype=torch.float64, device=device)
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+    low, high = RING_CPU_CALLS
     cpu = []
-    for _ in range(rounds + 1):
+    for _ in range(min(high, max(low, int(RING_CPU_SECONDS / max(float(warm), 1e-6))))):
         dist.barrier()
         c0 = time.process_time()
         ring_allreduce(blocks, None, codec, held)
         cpu.append(time.process_time() - c0)
-    return _mean_over_ranks(statistics.median(cpu[1:]), device)
+    return _mean_over_ranks(statistics.median(cpu), device)
 
 
 STAGGER_S = 0.002
