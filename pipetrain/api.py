@@ -426,11 +426,12 @@ def _on_rank0(work: Callable[[], dict[str, Any]], timeout: float) -> dict[str, A
 
 def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
                       optimizer: Callable[..., torch.optim.Optimizer], batch_size: int, workers: int,
-                      threads: int, step_rows: int | None = None) -> Profile:
+                      threads: int, step_rows: int | None = None, ring_cpu: bool = True) -> Profile:
     """The model profiled on the first minibatch with the workers' thread count and optimizer; with the
     run set-up of ``workers`` local workers measured (:func:`pipetrain.runsetup.measure_setup`), their
     shared work a training step on the minibatch's first ``step_rows`` samples (default: all of them;
-    a data-parallel worker's shard prices that worker directly), except under torchrun, whose workers
+    a data-parallel worker's shard prices that worker directly), our ring's CPU timed unless
+    ``ring_cpu`` is False (only pipe-sgd is priced with it), except under torchrun, whose workers
     this process does not start."""
     def first(rows: int) -> Any:
         return default_collate([dataset[i] for i in range(min(rows, len(dataset)))])  # type: ignore[arg-type]
@@ -448,7 +449,7 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     if not under_torchrun():
         step = batch if step_rows is None else first(step_rows)
         measured.setup = measure_setup(workers, threads, model_step(model, tuple(step), loss_fn),
-                                       ring_bytes=measured.parameter_bytes)
+                                       ring_bytes=measured.parameter_bytes, ring_cpu=ring_cpu)
     return measured
 
 
@@ -468,14 +469,15 @@ def _plan_here(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any],
     under torchrun), from a profile and set-up taken at the microbatch for a microbatched schedule
     (:func:`pipetrain.profiling.as_minibatch`). The demo's epochs are 44 minibatches of 280-360 ms, and
     23-30 ms passed between one's last update and the next one's first (no evaluation)."""
-    measured = _measured_profile(model, dataset, loss_fn, optimizer, batch_size, workers, threads)
+    measured = _measured_profile(model, dataset, loss_fn, optimizer, batch_size, workers, threads, ring_cpu=False)
     straight = not SCHEDULES[schedule].replicable
     candidates = [plan(measured, workers, bandwidth, straight=straight)]
     if not straight and len(candidates[0].stages) > 1:
         candidates.append(plan(measured, workers, bandwidth, one_stage=True))
     link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
     at = measured if microbatches == 1 else as_minibatch(
-        _measured_profile(model, dataset, loss_fn, optimizer, batch_size // microbatches, workers, threads), microbatches)
+        _measured_profile(model, dataset, loss_fn, optimizer, batch_size // microbatches, workers, threads,
+                          ring_cpu=False), microbatches)
     rates = [predict_plan(at, c, link, batch_size, schedule,
                           max(per_epoch(len(dataset), batch_size, math.lcm(*c.replicas)), 1),  # type: ignore[arg-type]
                           microbatches=microbatches, epoch=True) for c in candidates]

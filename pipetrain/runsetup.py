@@ -185,7 +185,7 @@ Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
 
 def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None = None, seconds: float = 0.3,
                   rounds: int = 20, timeout: float = 60.0, launch: Launcher | None = None,
-                  compute_rounds: int = 3, ring_bytes: int | None = None) -> Setup:
+                  compute_rounds: int = 3, ring_bytes: int | None = None, ring_cpu: bool = True) -> Setup:
     """Measure the set-up of ``workers`` worker processes of ``threads`` torch threads on this machine.
 
     It starts max(2, ``workers``) processes with ``launch`` (default: the runtime's launcher; the
@@ -202,7 +202,10 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     and our ring's line. Our ring's CPU is measured with nothing else running (:func:`_ring_cpu`) at
     ``ring_bytes`` (the job's gradient: pass the model's parameter bytes) and a quarter of it, and at
     ``ring_bytes`` with each lossy codec (unless it is below 4 x 64 KB or above
-    :data:`RING_CPU_MAX_BYTES`), else at two of :data:`RING_BYTES` and with no codec.
+    :data:`RING_CPU_MAX_BYTES`), else at two of :data:`RING_BYTES` and with no codec. Only pipe-sgd's
+    prediction reads our ring's CPU: with ``ring_cpu=False`` (a pipeline's planning) it is not
+    measured: a vgg-like job's set-up (a 107 MB gradient, 2 workers, loopback) took 7.5-8.2 s without it
+    and 12.0-15.9 s with it, and on a slow link each of those rings takes seconds.
     """
     from pipetrain.runtime.launch import spawn
 
@@ -210,8 +213,9 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     run = launch or (lambda fn, args, world: spawn(fn, world, args, describe="set-up probe {}".format))
     big = RING_BYTES[2] if ring_bytes is None else min(RING_CPU_MAX_BYTES, max(ring_bytes, 4 * RING_BYTES[0]))
     sizes = (RING_BYTES[1], big) if ring_bytes is None else (big // 4, big)
-    codec_bytes = big if big == ring_bytes else 0  # where a job's gradient can match it
-    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, sizes, codec_bytes),
+    codec_bytes = big if big == ring_bytes and ring_cpu else 0  # where a job's gradient can match it
+    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds,
+                           sizes if ring_cpu else None, codec_bytes),
                   max(2, workers))
     return Setup(**results[0])
 
@@ -270,9 +274,11 @@ def _jitter(calls: list[list[float]]) -> float:
 
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
-           timeout: float, compute_rounds: int, ring_cpu_bytes: tuple[int, int], codec_bytes: int) -> dict[str, Any]:
-    """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``codec_bytes``: the
-    gradient our ring's CPU is timed at with each lossy codec too (0: none)."""
+           timeout: float, compute_rounds: int, ring_cpu_bytes: tuple[int, int] | None,
+           codec_bytes: int) -> dict[str, Any]:
+    """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``ring_cpu_bytes``: the
+    two gradients our ring's CPU is timed at (None: not timed); ``codec_bytes``: the one it is timed at
+    with each lossy codec too (0: none)."""
     import torch.distributed as dist
 
     from pipetrain.runtime.job import init_distributed
@@ -299,7 +305,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     # thread of each computes, as a running job's compute does
     idle, cpu = _ping_pong(transport, rank, rounds, device)
     allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
-    ring_cpu, ring_cpu_per_byte = _ring_cpu(device, ring_cpu_bytes)
+    ring_cpu, ring_cpu_per_byte = (0.0, 0.0) if ring_cpu_bytes is None else _ring_cpu(device, ring_cpu_bytes)
     codec_cpu = {name: _ring_cpu_s(device, codec, codec_bytes)
                  for name, codec in CODECS.items() if codec.lossy} if codec_bytes else {}
     stop = threading.Event()

@@ -353,6 +353,16 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert 0 < measured.idle_latency_s and "idle" in measured.describe()
 
 
+def test_a_set_up_for_a_pipeline_leaves_our_rings_cpu_unmeasured():
+    """Only pipe-sgd is priced with our ring's CPU: without it, the set-up at a gradient the probe would
+    time every codec's ring at has none of it, and its ring CPU falls back to a send and a receive."""
+    measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18, ring_cpu=False)
+    assert (measured.ring_cpu_s, measured.ring_cpu_s_per_byte, measured.codec_ring_cpu_s, measured.ring_cpu_bytes) == \
+        (0.0, 0.0, {}, 0)
+    assert measured.ring_cpu(2, 1000) == pytest.approx(2 * 2 * measured.message_cpu(1000))
+    assert measured.ring_s_per_byte > 0 and measured.allreduce_latency_s > 0  # what a replicated stage needs
+
+
 def test_staggered_calls_time_the_call_alone_after_each_ranks_own_wait():
     """Before each call a rank spins a different time of up to STAGGER_S (its own random sequence), the
     first two calls are not kept, and a reading is the call's time, not the wait's: the time from one
