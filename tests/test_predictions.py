@@ -486,7 +486,8 @@ def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(
     layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 40_000, 100) for i in range(2)]
     slow_link = setup(cores=8, slowdown=1.0, latency_s=10 * MS, allreduce_latency_s=0.1 * MS, ring_s_per_byte=1e-9)
     profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=slow_link)
-    monkeypatch.setattr(api, "_measured_profile", lambda *args: profile)
+    asked: list[dict] = []
+    monkeypatch.setattr(api, "_measured_profile", lambda *args, **kwargs: asked.append(kwargs) or profile)
     monkeypatch.setattr(api, "plan", lambda p, w, b, straight=False, one_stage=False:
                         plan(p, w, b, straight=not one_stage, one_stage=one_stage))
     found = api._plan_here(nn.Linear(1, 1), list(range(64)), None, None, 8, 2, "1Gbit", "pipedream", 1, 1)
@@ -494,6 +495,7 @@ def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(
     simulated = chosen.options["simulated_samples_per_s"]
     assert chosen.config == "2" and set(simulated) == {"1-1", "2"}
     assert found["predicted"] == simulated["2"] > simulated["1-1"]
+    assert asked == [{"ring_cpu": False}]  # a pipeline is not priced with our ring's CPU: not measured
 
 
 def test_profile_times_the_optimizer_and_leaves_the_model_as_it_was(tmp_path):
