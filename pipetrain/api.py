@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from pipetrain.errors import one_line
 from pipetrain.layers import LayerError, LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
 from pipetrain.planning.choose import Choice, choose_strategy, predict_plan
@@ -24,7 +25,7 @@ from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
-from pipetrain.runtime.worker import first_line, per_epoch
+from pipetrain.runtime.worker import per_epoch
 from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.simulate import Link
 
@@ -444,7 +445,7 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
         raise
     except Exception as e:  # the user's model, loss or optimizer on the user's data: say where it failed
         raise ValueError(f"the model failed on the dataset's first minibatch while pipetrain profiled it to plan: "
-                         f"{type(e).__name__}: {first_line(e)}; check that the model, the loss and the dataset's samples "
+                         f"{one_line(e)}; check that the model, the loss and the dataset's samples "
                          "fit (dtype, shape)") from e
     if not under_torchrun():
         step = batch if step_rows is None else first(step_rows)

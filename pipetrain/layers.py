@@ -32,6 +32,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from pipetrain.errors import one_line
+
 
 class LayerError(ValueError):
     """A model that cannot be split, or stage boundaries that do not fit it."""
@@ -229,7 +231,7 @@ def _capture(model: nn.Module, example: Any) -> tuple[fx.GraphModule, str]:
     try:
         return fx.symbolic_trace(model), "fx"
     except Exception as e:  # fx raises many types; all mean the same to the user
-        fx_error = _first_line(e)
+        fx_error = one_line(e, 300)
     name = type(model).__name__
     if example is None:
         raise LayerError(f"cannot trace {name} with torch.fx ({fx_error}); pass an nn.Sequential whose children "
@@ -247,7 +249,7 @@ def _capture(model: nn.Module, example: Any) -> tuple[fx.GraphModule, str]:
         exported = torch.export.export(model, (example,), strict=False).module()
     except Exception as e:  # export raises many types too
         raise LayerError(f"cannot split {name}: torch.fx cannot trace it ({fx_error}) and torch.export cannot "
-                         f"capture it ({_first_line(e)}); pass an nn.Sequential whose children are the layers, "
+                         f"capture it ({one_line(e, 300)}); pass an nn.Sequential whose children are the layers, "
                          "or train it with a data-parallel strategy (ddp, pipe-sgd), which take any module") from None
     finally:
         model.train(was_training)
@@ -287,11 +289,6 @@ def _follow_mode(graph: fx.Graph) -> None:
 
 def _when_training(training: bool, p: float) -> float:
     return p if training else 0.0
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def _module_path(node: fx.Node) -> str:

@@ -236,3 +236,24 @@ def test_bad_command_line_is_one_line_and_leaves_nothing_behind(tmp_path, case, 
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert re.search(message, r.stderr), r.stderr
     assert _marked(marker) == []
+
+
+def test_a_foreign_error_is_reported_by_its_first_line_or_its_type() -> None:
+    from pipetrain.errors import first_line, one_line
+    assert first_line(ValueError("  shape mismatch\nat layer 3\n")) == "shape mismatch"
+    assert first_line(ValueError("x" * 300)) == "x" * 200 and first_line(ValueError("x" * 300), None) == "x" * 300
+    assert first_line(OSError()) == "OSError" and one_line(OSError()) == "OSError"
+    assert one_line(KeyError("w")) == "KeyError: 'w'"
+
+
+def test_an_error_without_a_message_still_ends_the_command_in_one_line(monkeypatch, capsys) -> None:
+    """It used to end in an IndexError's traceback (the first of no lines)."""
+    from pipetrain import cli
+    from pipetrain.cli import train as train_command
+
+    def fail(args: object) -> None:
+        raise OSError()
+
+    monkeypatch.setattr(train_command, "cmd_plot", fail)
+    assert cli.main(["plot", "metrics.jsonl"]) == 1
+    assert capsys.readouterr().err == "pipetrain plot: error: OSError\n"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pipetrain.errors import one_line
 from pipetrain.runtime.launch import keep_freed_memory
 
 
@@ -25,8 +26,7 @@ def main(workdir: str, rank: str) -> None:
             fn, args = pickle.load(f)
         torch.save(fn(*args), Path(workdir) / f"result{rank}.pt")
     except BaseException as e:  # noqa: BLE001 - reported to the parent, then the process ends
-        msg = (str(e).strip() or type(e).__name__).splitlines()[0]
-        (Path(workdir) / f"error{rank}.txt").write_text(f"rank {rank}: {type(e).__name__}: {msg}\n"
+        (Path(workdir) / f"error{rank}.txt").write_text(f"rank {rank}: {one_line(e, None)}\n"
                                                         + traceback.format_exc())
         code = 1
     sys.stdout.flush()

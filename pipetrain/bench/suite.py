@@ -53,6 +53,7 @@ import torch
 
 from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_job, ps_sync, summarize, \
     torch_pipeline
+from pipetrain.errors import first_line
 from pipetrain.planning.choose import CANDIDATES, COMPRESSED, Choice, choose_strategy
 from pipetrain.runsetup import Launcher, measure_setup, median_seconds, model_step, torch_threads
 
@@ -197,7 +198,7 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
         try:
             results = launch(fn, args, world)
         except RuntimeError as e:  # PipetrainError and friends: record, go on with the others
-            errors[f"{system} x{m}"] = str(e).splitlines()[0]
+            errors[f"{system} x{m}"] = first_line(e, None)
             log(f"{system} (microbatches {m}): failed: {errors[f'{system} x{m}']}")
             return None
         summary = summarize(results)

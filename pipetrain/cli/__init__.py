@@ -7,6 +7,7 @@ import warnings
 
 from pipetrain.bench import suite
 from pipetrain.cli import common, planning, train
+from pipetrain.errors import first_line
 
 __all__ = ["build_parser", "main"]
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (ValueError, RuntimeError, OSError) as e:
-        print(f"pipetrain {args.command}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"pipetrain {args.command}: error: {first_line(e, None)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"\npipetrain {args.command}: interrupted; the workers were stopped (checkpoints already written are "

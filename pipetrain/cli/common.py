@@ -13,6 +13,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from pipetrain.errors import one_line
+
 
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error in one line."""
@@ -35,7 +37,7 @@ def load_object(path: str) -> Any:
     except SyntaxError as e:
         raise ValueError(f"cannot import {module!r} from {path!r}: {e.msg} ({e.filename}, line {e.lineno})") from None
     except Exception as e:  # the module's own code failed at import: report it, not a traceback
-        raise ValueError(f"importing {module!r} from {path!r} failed: {type(e).__name__}: {e}") from None
+        raise ValueError(f"importing {module!r} from {path!r} failed: {one_line(e)}") from None
     for part in name.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{module!r} has no {name!r} (from {path!r})")
@@ -51,7 +53,7 @@ def call_factory(path: str, wanted: str) -> Any:
         try:
             obj = obj()
         except Exception as e:  # the user's factory failed: say so in one line
-            raise ValueError(f"{path}() failed: {type(e).__name__}: {e}") from None
+            raise ValueError(f"{path}() failed: {one_line(e)}") from None
     if wanted == "model" and not isinstance(obj, torch.nn.Module):
         raise ValueError(f"{path} gave a {type(obj).__name__}, not a torch.nn.Module; name a module or a function "
                          "returning one")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipetrain.errors import one_line
 from pipetrain.profiling import Profile, check_header, parse_json, read_text
 
 FORMAT, VERSION = "pipetrain-plan", 1
@@ -98,7 +99,7 @@ class Plan:
             plan = Plan(stages, int(data["noam"]), float(data["stage_time_s"]), float(data["speedup_vs_one"]),
                         float(data["speedup_vs_dp"]), dict(data.get("options", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{source}: malformed plan ({type(e).__name__}: {e}); "
+            raise ValueError(f"{source}: malformed plan ({one_line(e)}); "
                              "regenerate it with `pipetrain plan`") from None
         _check_stages(plan, source)
         return plan

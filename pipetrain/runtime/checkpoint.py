@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.errors import one_line
+
 KEEP = 2
 FORMAT, VERSION = "pipetrain-checkpoint", 1
 _NAME = re.compile(r"^w(\d+)-epoch(\d+)\.json$")
@@ -100,7 +102,7 @@ def _manifest(directory: str | os.PathLike, rank: int, epoch: int) -> dict[str, 
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} cannot be read ({type(e).__name__}: {e}); delete it or resume from "
+        raise CheckpointError(f"{f} cannot be read ({one_line(e)}); delete it or resume from "
                               "another directory") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{f} is not a pipetrain checkpoint manifest; delete it or resume from another directory")
@@ -170,8 +172,7 @@ def load(directory: str | os.PathLike, rank: int, epoch: int) -> dict[str, Any]:
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged file; all mean the same here
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise CheckpointError(f"{f} cannot be read as a checkpoint ({type(e).__name__}: {first}); it is damaged: "
+        raise CheckpointError(f"{f} cannot be read as a checkpoint ({one_line(e, 160)}); it is damaged: "
                               "delete it or resume from another directory") from None
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from pipetrain.errors import one_line
 from pipetrain.layers import LayeredModel, check_boundaries
 from pipetrain.registry import (
     DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, StrategySpec, build_data_parallel, build_schedule, lookup,
@@ -614,7 +615,7 @@ def _check_pairs(dataset: Dataset, what: str) -> int:
     try:
         n_items, item = len(dataset), dataset[0]  # type: ignore[arg-type]
     except Exception as e:  # a dataset raises what it likes; all mean it cannot be used
-        raise ValueError(f"{what} cannot be read ({type(e).__name__}: {e}); give a map-style dataset "
+        raise ValueError(f"{what} cannot be read ({one_line(e)}); give a map-style dataset "
                          "(len() and [i]) of (input, target) pairs") from None
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         kind = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from pipetrain.errors import first_line, one_line
+
 
 class PipetrainError(RuntimeError):
     """A job failed; the message says which worker and why.
@@ -145,9 +147,9 @@ def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, calle
         fn, args = pickle.loads(payload)
         torch.save(fn(*args), Path(workdir) / f"result{rank}.pt")
     except BaseException as e:  # noqa: BLE001 - reported to the parent, then the process ends
-        msg = f"{type(e).__name__}: {e}" if not isinstance(e, PipetrainError) else str(e)
+        msg = first_line(e, None) if isinstance(e, PipetrainError) else one_line(e, None)
         with contextlib.suppress(OSError):  # the caller may be gone already, with the directory
-            (Path(workdir) / f"error{rank}.txt").write_text(msg.strip().splitlines()[0] + "\n" +
+            (Path(workdir) / f"error{rank}.txt").write_text(msg + "\n" +
                                                             traceback.format_exc())
         code = 1
     # [Note: hard exit] communication threads may sit in a blocking recv on a dead peer; a normal

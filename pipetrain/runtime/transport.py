@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from pipetrain.errors import first_line
+
 HEADER_LEN = 128
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -179,7 +181,7 @@ class Transport:
 
     def _raise(self, peer: int, doing: str) -> None:
         err = self._errors.get(peer)
-        reason = "closed its connection" if err is None else str(err).strip().splitlines()[0][:200]
+        reason = "closed its connection" if err is None else first_line(err)
         raise PeerError(f"{self.describe(peer)} went silent while {self.describe(self.rank)} was {doing}: "
                         f"{reason}")
 

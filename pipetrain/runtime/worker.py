@@ -15,6 +15,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import Dataset, default_collate
 
+from pipetrain.errors import one_line
 from pipetrain.layers import flatten, unflatten
 from pipetrain.runtime.transport import Channel, Message
 from pipetrain.runtime.weights import Live
@@ -335,15 +336,15 @@ class Worker:
         except (StageError, NonFiniteLoss):
             raise
         except Exception as e:  # the user's code may raise anything
-            raise StageError(f"{self.name}: {what} failed: {type(e).__name__}: {first_line(e)}") from e
+            raise StageError(f"{self.name}: {what} failed: {one_line(e)}") from e
 
     def _loss(self, out: Any, target: Any, mb: int) -> torch.Tensor:
         """``loss_fn(out, target)``, which must be a scalar; errors say what the model gave it."""
         try:
             loss = self.loss_fn(out, target)
         except Exception as e:  # the user's loss may raise anything
-            raise StageError(f"{self.name}: loss_fn(output, target) failed on minibatch {mb}: {type(e).__name__}: "
-                             f"{first_line(e)} (the model returned {_describe(out)}, the target is "
+            raise StageError(f"{self.name}: loss_fn(output, target) failed on minibatch {mb}: {one_line(e)} "
+                             f"(the model returned {_describe(out)}, the target is "
                              f"{_describe(target)})") from e
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise StageError(f"{self.name}: loss_fn returned {_describe(loss)} for minibatch {mb}, not a scalar "
@@ -408,11 +409,6 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
     return f"a {type(value).__name__}"
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an error's message (at most 200 characters), for a one-line error of ours."""
-    return (str(e).strip().splitlines() or [""])[0][:200]
 
 
 def to_device(value: Any, device: torch.device) -> Any:

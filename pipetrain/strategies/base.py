@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.errors import one_line
+
 Weights = dict[str, torch.Tensor]
 
 
@@ -116,8 +118,7 @@ class Mailbox:
         with self._cond:
             while key not in self._items:
                 if self._error is not None:
-                    first = (str(self._error).strip().splitlines() or [""])[0][:200]
-                    raise SyncError(f"{what} failed ({type(self._error).__name__}{': ' + first if first else ''}): "
+                    raise SyncError(f"{what} failed ({one_line(self._error)}): "
                                     "a worker died or went silent")
                 left = deadline - time.monotonic()
                 if left <= 0:
