@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in STRATEGIES:
             row = case["rows"].get(name)
             cells.append("-" if row is None else
-                         f"{row['predicted']:.0f} / {row['measured']:.0f} ({100 * row['error']:+.0f}%)")
+                         f"{row['predicted']:.0f} / {row['measured']:.0f} ({100 * row['error']:+.1f}%)")
         print(f"| {model} ({case['workers']}, {case['batch_size']}) | " + " | ".join(cells) + " |")
     for name in STRATEGIES:
         rows = [case["rows"][name] for case in out.values() if name in case["rows"]]
