@@ -77,6 +77,8 @@ class Setup:
             step of the model (:func:`model_step`), the rows of its batch; 0 when not measured or not a
             model step. A step at a data-parallel worker's shard prices that worker's forward and
             backward directly (:func:`pipetrain.simulate.predict_data_parallel`).
+        resampled_s: seconds the compute rounds went on past the first because the slowdown read more
+            than the cores explain (:func:`_compute_rounds`); 0 when it did not, or not measured.
     """
 
     backend: str
@@ -102,6 +104,7 @@ class Setup:
     step_rows: int = 0
     codec_ring_cpu_s: dict[str, float] = field(default_factory=dict)
     ring_cpu_bytes: int = 0
+    resampled_s: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
@@ -176,16 +179,28 @@ class Setup:
                 + "".join(f", {name} ring {1e3 * s:.1f} ms of CPU" for name, s in self.codec_ring_cpu_s.items())
                 + f", 10 ms of compute "
                 f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms"
-                + (f", a training step of {self.step_rows} rows {1e3 * self.step_s:.1f} ms all at once" if self.step_rows else ""))
+                + (f", a training step of {self.step_rows} rows {1e3 * self.step_s:.1f} ms all at once" if self.step_rows else "")
+                + (f", compute re-sampled for {self.resampled_s:.1f} s" if self.resampled_s else ""))
 
 
 Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
 """``launch(fn, args, world)``: run ``fn(*args)`` as ranks 0..world-1 and return their results."""
 
 
+SETTLE_EXCESS = 1.5
+"""How far a set-up's compute slowdown may exceed what the cores explain (:func:`_compute_rounds`)
+before the rounds are taken again. lstm-lm's step on 2 workers, 2 cores, 284 rounds back to back over
+240 s: 249 read 0.85-1.27x; 33 read 1.70-1.81x, in spells of one round to about 12 s, while the VM
+ran its two cores as one (one process alone kept its speed)."""
+
+SETTLE_SECONDS = 12.0
+"""The longest :func:`_compute_rounds` goes on taking rounds for a reading the cores explain."""
+
+
 def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None = None, seconds: float = 0.3,
                   rounds: int = 20, timeout: float = 60.0, launch: Launcher | None = None,
-                  compute_rounds: int = 3, ring_bytes: int | None = None, ring_cpu: bool = True) -> Setup:
+                  compute_rounds: int = 3, ring_bytes: int | None = None, ring_cpu: bool = True,
+                  settle_s: float = SETTLE_SECONDS) -> Setup:
     """Measure the set-up of ``workers`` worker processes of ``threads`` torch threads on this machine.
 
     It starts max(2, ``workers``) processes with ``launch`` (default: the runtime's launcher; the
@@ -193,7 +208,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     ``kernel`` (default: a float32 matmul; pass one training step of the model for a faithful
     figure) alone for ``seconds``, then every rank runs it at once; ``slowdown`` is the median over
     the rounds of the ranks' mean time per call over rank 0's alone, and ``jitter_s`` the median of
-    how much those calls varied (:func:`_jitter`). Messages: ranks 0 and 1 play
+    how much those calls varied (:func:`_jitter`); where the slowdown reads more than the cores explain,
+    rounds go on for up to ``settle_s`` (:func:`_compute_rounds`). Messages: ranks 0 and 1 play
     ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
     half a round trip: first with nothing else running in the two processes, for the idle latency and
     the CPU time per message end (and the backend's ``all_reduce`` of 1 element among every rank, as a job's sync meets
@@ -214,7 +230,7 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     big = RING_BYTES[2] if ring_bytes is None else min(RING_CPU_MAX_BYTES, max(ring_bytes, 4 * RING_BYTES[0]))
     sizes = (RING_BYTES[1], big) if ring_bytes is None else (big // 4, big)
     codec_bytes = big if big == ring_bytes and ring_cpu else 0  # where a job's gradient can match it
-    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds,
+    results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, settle_s,
                            sizes if ring_cpu else None, codec_bytes),
                   max(2, workers))
     return Setup(**results[0])
@@ -273,8 +289,53 @@ def _jitter(calls: list[list[float]]) -> float:
     return statistics.pvariance(pooled) / statistics.mean(pooled) if len(pooled) > 1 else 0.0
 
 
+def _compute_rounds(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, window: int,
+                    settle_s: float, rank: int, device: torch.device) -> tuple[list[float], list[float], list[float],
+                                                                               float]:
+    """The compute rounds of :func:`_probe` (a collective: every rank calls it): rank 0 runs ``kernel``
+    alone for ``seconds``, then ranks below ``workers`` run it at once, ``window`` times. Rank 0's
+    ratio of the two (rank 0's rounds only: other ranks hold 1.0), the jitter and the step of each
+    round, and the seconds spent re-sampling.
+
+    Where the median ratio of the last ``window`` rounds is more than :data:`SETTLE_EXCESS` times
+    what the cores explain (one, or the workers' threads over the cores where they outnumber them), the
+    machine was taking cores from the job while it was sampled, which on this VM comes in spells of
+    seconds: rounds go on, one at a time, until the last ``window`` read within it (those are kept) or
+    ``settle_s`` has passed (every round is kept: the load is the machine's, and the job will meet it)."""
+    import torch.distributed as dist
+
+    explained = max(1.0, workers * threads / (os.cpu_count() or 1))
+    ratios: list[float] = []
+    jitters: list[float] = []
+    steps: list[float] = []
+    settling = 0.0
+    while True:
+        dist.barrier()
+        alone = statistics.mean(_run_for(kernel, seconds)) if rank == 0 else 0.0
+        dist.barrier()
+        together = _run_for(kernel, seconds) if rank < workers else []
+        times: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(times, together)
+        ratios.append(statistics.mean(statistics.mean(t) for t in times[:workers]) / alone if rank == 0 else 1.0)
+        jitters.append(_jitter(times[:workers]))
+        steps.append(statistics.mean(t for ts in times[:workers] for t in ts))
+        if len(ratios) < window:
+            continue
+        if len(ratios) == window:
+            settling = time.perf_counter()
+        # rank 0 alone knows the ratios: 1 the last rounds are explained, 2 the time is up, 0 go on
+        explained_now = workers < 2 or statistics.median(ratios[-window:]) <= SETTLE_EXCESS * explained
+        verdict = torch.tensor([1 if explained_now else 2 if time.perf_counter() - settling >= settle_s else 0],
+                               device=device)
+        dist.broadcast(verdict, 0)
+        if verdict.item():
+            kept = window if verdict.item() == 1 else len(ratios)
+            return (ratios[-kept:], jitters[-kept:], steps[-kept:],
+                    time.perf_counter() - settling if len(ratios) > window else 0.0)
+
+
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
-           timeout: float, compute_rounds: int, ring_cpu_bytes: tuple[int, int] | None,
+           timeout: float, compute_rounds: int, settle_s: float, ring_cpu_bytes: tuple[int, int] | None,
            codec_bytes: int) -> dict[str, Any]:
     """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``ring_cpu_bytes``: the
     two gradients our ring's CPU is timed at (None: not timed); ``codec_bytes``: the one it is timed at
@@ -287,17 +348,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     torch.set_num_threads(threads)
     device = init_distributed(timeout)
     rank = dist.get_rank()
-    ratios, jitters, steps = [], [], []
-    for _ in range(compute_rounds):
-        dist.barrier()
-        alone = statistics.mean(_run_for(kernel, seconds)) if rank == 0 else 0.0
-        dist.barrier()
-        together = _run_for(kernel, seconds) if rank < workers else []
-        times: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(times, together)
-        ratios.append(statistics.mean(statistics.mean(t) for t in times[:workers]) / alone if rank == 0 else 1.0)
-        jitters.append(_jitter(times[:workers]))
-        steps.append(statistics.mean(t for ts in times[:workers] for t in ts))
+    ratios, jitters, steps, resampled = _compute_rounds(workers, threads, kernel, seconds, compute_rounds, settle_s,
+                                                         rank, device)
     slowdown, step_s = (statistics.median(ratios) if workers > 1 else 1.0), statistics.median(steps)
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
     # CPU per message and our ring's CPU with nothing else running in the processes, and the backend's
@@ -329,7 +381,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
                 step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0, codec_ring_cpu_s=codec_cpu,
-                ring_cpu_bytes=codec_bytes)
+                ring_cpu_bytes=codec_bytes, resampled_s=resampled)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:

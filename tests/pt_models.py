@@ -115,3 +115,21 @@ class BusyOn(nn.Module):
             while time.perf_counter() < end:
                 sum(range(1000))
         return x
+
+
+class Spell:
+    """A set-up probe's kernel (``runsetup.measure_setup``): sleeps ``base`` seconds a call, ``slow`` times
+    that on every rank but 0 for the first ``spell`` seconds after the process's first call: a machine
+    that takes cores from a job for a while."""
+
+    def __init__(self, base: float, slow: float, spell: float) -> None:
+        self.base, self.slow, self.spell = base, slow, spell
+        self.start: float | None = None
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        now = time.monotonic()
+        self.start = now if self.start is None else self.start
+        late = dist.get_rank() > 0 and now - self.start < self.spell
+        time.sleep(self.base * (self.slow if late else 1.0))

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pt_models import Spell
+
 import pipetrain
 from pipetrain import costs
 from pipetrain.planning import Plan, StagePlan, plan
@@ -280,6 +282,20 @@ def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker()
     assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
     # its 40 B of gradient are below the rings the probe times: no codec's ring is measured at them
     assert measured.codec_ring_cpu_s == {} and measured.codec_ring_cpu("quant8", 2, 40) is None
+
+
+def test_a_set_up_samples_compute_again_while_the_machine_takes_cores_and_keeps_a_load_that_stays():
+    """Two workers with a core each explain a slowdown of 1. Rank 1 computing 3x slower (15 ms a call
+    against 5) reads 2: rounds go on until the last three read within 1.5x of what the cores explain
+    (those are kept), or for ``settle_s`` (every round is kept; a step is the mean of the calls, and
+    rank 0 makes three for each of rank 1's)."""
+    spell = measure_setup(2, 1, Spell(0.005, 3.0, 1.0), seconds=0.05, rounds=3, ring_bytes=40, settle_s=10.0)
+    assert spell.slowdown < 1.2 and spell.step_s < 0.0065 and 0.3 < spell.resampled_s < 5
+    assert "compute re-sampled for" in spell.describe()
+    stays = measure_setup(2, 1, Spell(0.005, 3.0, math.inf), seconds=0.05, rounds=3, ring_bytes=40, settle_s=1.0)
+    assert stays.slowdown == pytest.approx(2.0, rel=0.15) and stays.step_s > 0.0065 and stays.resampled_s >= 1.0
+    steady = measure_setup(2, 1, Spell(0.005, 1.0, 0.0), seconds=0.05, rounds=3, ring_bytes=40)
+    assert steady.slowdown < 1.2 and steady.resampled_s == 0 and "re-sampled" not in steady.describe()
 
 
 def test_the_last_of_several_workers_arrives_as_order_statistics_say():
