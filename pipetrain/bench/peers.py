@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import math
 import os
 import statistics
@@ -116,6 +117,12 @@ def ddp(cfg: PeerConfig, fp16: bool = False) -> dict[str, Any]:
     counted = 2 * (world - 1) / world * grad_bytes / cfg.batch_size
     out = _measure(cfg, step, counted, list(model.parameters()))
     out.update(runner="ddp-fp16" if fp16 else "ddp", loss=last_loss(), grad_bytes=grad_bytes)
+    # freed only as this function returned, after _finish destroyed the process group, DDP's reducer
+    # now and then hung its rank in its teardown (tests/test_peers.py::test_ddp, two jobs each: 5 of 42
+    # runs hung, one of them in CI; freed here first, 0 of 84): free it, and what holds it, while the
+    # group lives
+    del model, step, last_loss
+    gc.collect()
     return _finish(out)
 
 
