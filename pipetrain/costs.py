@@ -177,23 +177,30 @@ def pipe_sgd_pipelined_time(iterations: Num, update_s: Num, forward_s: Num, firs
     return iterations * np.maximum(update_s + forward_s + first_backward_s, comm_s)
 
 
-def shared_core_compute_s(update_s: Num, compute_s: Num, comm_cpu_s: Num, cores_per_worker: float) -> Num:
+def shared_core_compute_s(update_s: Num, compute_s: Num, comm_cpu_s: Num, cores_per_worker: float,
+                          slowdown: float = 1.0) -> Num:
     """The compute side of eq. 4 (l_up + l_comp) when the communication thread has no core of its own.
 
     Ours, not the paper's: Pipe-SGD's workers compute on a GPU while a CPU communicates, so eq. 4
     takes the two as separate resources. A worker with fewer than 2 cores runs its allreduce's CPU
     work (copying the gradient out, the codec, the network stack's part of every send and receive)
     on the cores its compute uses, so that work adds to the compute side:
-    ``l_up + l_comp + l_comm_cpu / min(1, cores_per_worker)``; with 2 or more cores it overlaps and adds
-    nothing. ``comm_cpu_s`` is CPU seconds: where workers outnumber the cores, every core is busy with
+    ``l_up + l_comp + l_comm_cpu / min(1, cores_per_worker)`` (below one core each, the larger of that
+    divisor's inverse and the slowdown: below); with 2 or more cores it overlaps and adds nothing. ``comm_cpu_s`` is CPU seconds: where workers outnumber the cores, every core is busy with
     their compute and the machine spreads that work over all of them, so each CPU second of it costs a
     worker 1 / cores_per_worker seconds. Pipe-SGD with 3 workers of a small Transformer LM on 2 cores
     kept them 98% busy: each worker's threads used 45-46 ms of CPU per iteration (11.5 of them its
-    ring's), and an iteration took 68-71 ms, 3/2 of that.
+    ring's), and an iteration took 68-71 ms, 3/2 of that. Where the machine shares its cores less well
+    than that, a CPU second costs what a second of compute does: the measured ``slowdown`` of all the
+    workers computing at once, when it exceeds 1 / cores_per_worker. mnist-mlp's 4 workers on 2 cores
+    computed 2.3-2.7x slower, and its pipe-sgd iterations, bound by the cores, took 26 ms where 2 per
+    CPU second priced 21-23.
     """
     if cores_per_worker >= 2:
         return update_s + compute_s
-    return update_s + compute_s + comm_cpu_s / min(1.0, cores_per_worker)
+    if cores_per_worker >= 1:
+        return update_s + compute_s + comm_cpu_s
+    return update_s + compute_s + comm_cpu_s * max(1.0 / cores_per_worker, slowdown)
 
 
 def scaling_efficiency(update_s: Num, compute_s: Num, comm_s: Num) -> Num:
@@ -290,6 +297,20 @@ def busy_latency_s(idle_s: float, busy_s: float, end_shares: Sequence[float]) ->
     for u in end_shares:
         both_idle *= 1.0 - min(max(u, 0.0), 1.0)
     return idle_s + max(busy_s - idle_s, 0.0) * (1.0 - both_idle)
+
+
+def overlapped_ring_s(idle_s: float, busy_s: float, computing_s: float) -> float:
+    """Our ring allreduce's time when the workers compute only for its first ``computing_s`` seconds
+    (Pipe-SGD's K >= 2: iteration t+1's update and compute start with iteration t's allreduce), between
+    the two the set-up measures, ``idle_s`` (nothing else running) and ``busy_s`` (a thread of every
+    worker computing throughout): it moves at the busy rate while they compute and at the idle rate
+    after, so ``idle + min(c, busy) (1 - idle / busy)``; ``busy_s`` when the compute lasts the whole
+    ring or no idle figure was measured (0). Ours: the paper prices the ring by the link alone. On 4
+    emulated hosts at 1 Gbit/s, mnist-mlp's 2.59 MB ring took 33-35 ms idle and 53-63 ms busy; its
+    pipe-sgd, computing about 5 ms of each, ran it in 35.7 ms."""
+    if idle_s <= 0 or idle_s >= busy_s:
+        return busy_s
+    return idle_s + min(max(computing_s, 0.0), busy_s) * (1.0 - idle_s / busy_s)
 
 
 def contended_s(seconds: Num, slowdown: float) -> Num:

@@ -52,6 +52,13 @@ class Setup:
             computes (α and β of :func:`pipetrain.costs.ring_allreduce_time`: n bytes over p workers take
             2(p-1) α + 2(p-1)/p n β), from two sizes (:func:`_ring_line`); 0 when not measured (a
             profile saved before they were), and the message figures stand in.
+        idle_ring_latency_s, idle_ring_s_per_byte: the same ring's line with nothing else running (what
+            a ring met while the workers compute only part of it is priced between the two:
+            :func:`pipetrain.costs.overlapped_ring_s`); 0 when not measured, and the ring is priced busy.
+        idle_ring_s: seconds one whole ring allreduce of a gradient of ``ring_cpu_bytes`` took with each
+            codec (by name, ``none`` included), nothing else running, timed with its CPU
+            (:func:`_ring_alone`): the job's own ring, its codec's work included, where the idle line
+            holds neither (see :meth:`idle_ring`); empty when not measured.
         allreduce_latency_s: α of the backend's own allreduce (what DDP, a replicated stage's buckets
             and CGDP's signals use): a 1-element ``all_reduce`` among all the workers arriving
             staggered, from the last rank's call, over its 2(p-1) steps (:func:`_allreduce_at_sync`); 0
@@ -105,17 +112,22 @@ class Setup:
     codec_ring_cpu_s: dict[str, float] = field(default_factory=dict)
     ring_cpu_bytes: int = 0
     resampled_s: float = 0.0
+    idle_ring_latency_s: float = 0.0
+    idle_ring_s_per_byte: float = 0.0
+    idle_ring_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def cores_per_worker(self) -> float:
         """Cores each worker has to itself: the machine's over its workers."""
         return self.cores / max(self.workers, 1)
 
-    def allreduce_terms(self, ours: bool) -> tuple[float, float]:
+    def allreduce_terms(self, ours: bool, idle: bool = False) -> tuple[float, float]:
         """(α, β) of a gradient allreduce among the workers: ``ours`` our ring's
         (:mod:`pipetrain.strategies.ring`, pipe-sgd's), else the backend's ``all_reduce``; both move
-        bytes at the measured ring's rate. In a set-up without them, a message's latency and seconds
-        per byte stand in."""
+        bytes at the measured ring's rate. ``idle``: our ring's with nothing else running, where it was
+        measured. In a set-up without them, a message's latency and seconds per byte stand in."""
+        if ours and idle and self.idle_ring_latency_s + self.idle_ring_s_per_byte > 0:
+            return self.idle_ring_latency_s, self.idle_ring_s_per_byte
         latency = self.ring_latency_s if ours else self.allreduce_latency_s
         return (latency if latency > 0 else self.latency_s,
                 self.ring_s_per_byte if self.ring_s_per_byte > 0 else self.s_per_byte)
@@ -142,9 +154,24 @@ class Setup:
         (trunc16, quant8) against 68-83 and 75-81 ms measured alone; mnist-mlp on 4, 9.1 and 7.8 against
         9.2-13.8 and 10.7-12.5 (its blocks travel in 5 and 3 chunks where the line assumes fewer bytes
         cost less, and the arithmetic runs per chunk: 1.4 and 2.6 ms against 0.6 and 1.2 timed whole)."""
+        return self._at_job(self.codec_ring_cpu_s, codec, workers, nbytes)
+
+    def idle_ring(self, codec: str, workers: int, nbytes: int) -> float | None:
+        """Seconds our ring allreduce of ``nbytes`` of gradient over ``workers`` with ``codec`` took with
+        nothing else running, as measured in this set-up; None where it was not measured for that codec,
+        those workers and that size.
+
+        Ours: the idle line (α, β) and the codec's arithmetic timed apart missed how a codec's ring runs
+        where workers share cores. On 4 emulated hosts at 1 Gbit/s (2 cores), mnist-mlp's plain ring
+        moved its bytes at the line's rate, but its quant8 ring, a quarter of the bytes, ran an
+        iteration in 26-30 ms where the line and arithmetic priced 21."""
+        return self._at_job(self.idle_ring_s, codec, workers, nbytes)
+
+    def _at_job(self, table: dict[str, float], codec: str, workers: int, nbytes: int) -> float | None:
+        """``table``'s entry for ``codec`` where the set-up measured it for ``workers`` and ``nbytes``."""
         if workers != self.workers or nbytes != self.ring_cpu_bytes:
             return None
-        return self.codec_ring_cpu_s.get(codec)
+        return table.get(codec)
 
     def shared_cpu(self, nbytes: float) -> float:
         """Seconds one message end takes from the worker's compute: none with 2 or more cores each, else
@@ -159,24 +186,29 @@ class Setup:
         if not isinstance(data, dict):
             raise ValueError(f"profile: 'setup' is {data!r:.40}, not an object")
         kinds = {"backend": str, "workers": int, "threads": int, "cores": int, "step_rows": int, "ring_cpu_bytes": int}
-        codecs = data.get("codec_ring_cpu_s", {})
-        if not isinstance(codecs, dict):
-            raise ValueError(f"profile: 'setup.codec_ring_cpu_s' is {codecs!r:.40}, not an object")
-        return Setup(codec_ring_cpu_s={str(k): field_of(codecs, k, "setup.codec_ring_cpu_s", float) for k in codecs},
-                     **{f.name: field_of(data, f.name, "setup", kinds.get(f.name, float),
-                                         None if f.default is MISSING else f.default)
-                        for f in fields(Setup) if f.name != "codec_ring_cpu_s"})
+        by_codec = ("codec_ring_cpu_s", "idle_ring_s")
+        values: dict[str, Any] = {f.name: field_of(data, f.name, "setup", kinds.get(f.name, float),
+                                                   None if f.default is MISSING else f.default)
+                                  for f in fields(Setup) if f.name not in by_codec}
+        for name in by_codec:
+            table = data.get(name, {})
+            if not isinstance(table, dict):
+                raise ValueError(f"profile: 'setup.{name}' is {table!r:.40}, not an object")
+            values[name] = {str(k): field_of(table, k, f"setup.{name}", float) for k in table}
+        return Setup(**values)
 
     def describe(self) -> str:
         """One line for people."""
         return (f"{self.workers} workers x {self.threads} threads on {self.cores} cores (compute {self.slowdown:.2f}x "
                 f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us (idle "
                 f"{1e6 * self.idle_latency_s:.0f}) + {1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
-                f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B, "
+                f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B (idle "
+                f"{1e6 * self.idle_ring_latency_s:.0f} us + {1e9 * self.idle_ring_s_per_byte:.2f} ns/B), "
                 f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step and "
                 f"{1e6 * self.allreduce_cpu_s:.0f} us of CPU, ring CPU {1e6 * self.ring_cpu_s:.0f} us per step + "
                 f"{1e9 * self.ring_cpu_s_per_byte:.2f} ns/B"
                 + "".join(f", {name} ring {1e3 * s:.1f} ms of CPU" for name, s in self.codec_ring_cpu_s.items())
+                + "".join(f", {name} ring {1e3 * s:.1f} ms idle" for name, s in self.idle_ring_s.items())
                 + f", 10 ms of compute "
                 f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms"
                 + (f", a training step of {self.step_rows} rows {1e3 * self.step_s:.1f} ms all at once" if self.step_rows else "")
@@ -354,21 +386,25 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
     # CPU per message and our ring's CPU with nothing else running in the processes, and the backend's
     # allreduce after each rank's own training step; then the time per message and our ring's while a
-    # thread of each computes, as a running job's compute does
+    # thread of each computes, as a running job's compute does, and our ring once more with nothing running
     idle, cpu = _ping_pong(transport, rank, rounds, device)
     allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
-    ring_cpu, ring_cpu_per_byte = (0.0, 0.0) if ring_cpu_bytes is None else _ring_cpu(device, ring_cpu_bytes)
-    codec_cpu = {name: _ring_cpu_s(device, codec, codec_bytes)
-                 for name, codec in CODECS.items() if codec.lossy} if codec_bytes else {}
+    ring_cpu, ring_cpu_per_byte, plain_s = (0.0, 0.0, 0.0) if ring_cpu_bytes is None else \
+        _ring_cpu(device, ring_cpu_bytes)
+    alone = {name: _ring_alone(device, codec, codec_bytes) for name, codec in CODECS.items() if codec.lossy} \
+        if codec_bytes else {}
+    idle_ring = {"none": plain_s, **{name: s for name, (_, s) in alone.items()}} if codec_bytes else {}
     stop = threading.Event()
     load = threading.Thread(target=_run_for, args=(kernel, 0.0, stop), daemon=True)
     load.start()
     latency, per_byte = _line(_ping_pong(transport, rank, rounds, device)[0])
-    ring_latency, ring_per_byte = _ring_line(rank, per_byte, device, rounds)  # rank 0's per_byte sizes it
+    ring_sizes = _ring_sizes(per_byte)  # rank 0's per_byte sizes it
+    ring_latency, ring_per_byte = _ring_line(rank, ring_sizes, device, rounds)
     dist.barrier()  # the other ranks compute until the ring ends: every worker of the job is busy
     stop.set()
     load.join()
     dist.barrier()
+    idle_ring_latency, idle_ring_per_byte = _ring_line(rank, ring_sizes, device, rounds)
     if rank != 0:
         return {}
     cpu_s, cpu_per_byte = _line(cpu)
@@ -380,8 +416,9 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
-                step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0, codec_ring_cpu_s=codec_cpu,
-                ring_cpu_bytes=codec_bytes, resampled_s=resampled)
+                step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0, codec_ring_cpu_s={name: cpu for name, (cpu, _) in alone.items()},
+                ring_cpu_bytes=codec_bytes, resampled_s=resampled, idle_ring_latency_s=idle_ring_latency,
+                idle_ring_s_per_byte=idle_ring_per_byte, idle_ring_s=idle_ring)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -418,23 +455,33 @@ RING_BYTES = (1 << 16, 1 << 20, 1 << 25)
 RING_CPU_MAX_BYTES = 1 << 27
 """The largest gradient :func:`_ring_cpu` allreduces (a larger job's is priced from its line)."""
 RING_CPU_SECONDS = 1.0
-"""About how long :func:`_ring_cpu_s` times one ring allreduce over (fewer calls on a slow link)."""
+"""About how long :func:`_ring_alone` times one ring allreduce over (fewer calls on a slow link)."""
 RING_CPU_CALLS = (3, 9)
-"""The fewest and the most calls :func:`_ring_cpu_s` takes the median of."""
+"""The fewest and the most calls :func:`_ring_alone` takes the median of."""
 RING_SECONDS = 0.1
 """About how long the large ring allreduce should take, judged from the ping-pong's seconds per byte."""
 
 
-def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
+def _ring_sizes(s_per_byte: float) -> tuple[int, int]:
+    """The gradient bytes of :func:`_ring_line`'s two allreduces: :data:`RING_BYTES`' small one, and as
+    many bytes as rank 0's ``s_per_byte`` moves in :data:`RING_SECONDS`, within its bounds."""
+    import torch.distributed as dist
+
+    big = [min(RING_BYTES[2], max(RING_BYTES[1], int(RING_SECONDS / max(s_per_byte, 1e-12))))]
+    dist.broadcast_object_list(big, src=0)
+    return RING_BYTES[0], big[0]
+
+
+def _ring_line(rank: int, sizes: tuple[int, int], device: torch.device, rounds: int,
                big_rounds: int = 3) -> tuple[float, float]:
-    """(α, β) of :func:`pipetrain.strategies.ring.ring_allreduce` over every rank (all call it, each
-    while its compute thread runs): the ring model's line through two sizes. Small: ``rounds``
+    """(α, β) of :func:`pipetrain.strategies.ring.ring_allreduce` over every rank (all call it, in the
+    set-up each first while its compute thread runs, then with nothing else running): the ring
+    model's line through two gradient ``sizes`` (:func:`_ring_sizes`). Small: ``rounds``
     staggered allreduces (:func:`_staggered_calls`; with 3, α read 0.3-7.9 ms per step in six probes a
     few seconds apart), each rank's median, waiting included, averaged over the ranks. Lined up by a
     barrier, 4 ranks on 2 cores read 2.8-3.8 ms per step, staggered 3.8-4.4, and mnist-mlp's pipe-sgd
     rings met 3.7-4.1 in its runs (their time less the bytes at β). Large: ``big_rounds`` lined up by
-    a barrier, as many bytes as the ping-pong's ``s_per_byte`` (rank 0's) moves in
-    :data:`RING_SECONDS`, within :data:`RING_BYTES`; a one-message line under-rates what a long
+    a barrier, sized to take about :data:`RING_SECONDS` on the link; a one-message line under-rates what a long
     transfer costs (on loopback gloo moved 1 MiB messages at 0.26 ns/B, a 108 MB ring at 1.9 ns/B with
     the cores busy)."""
     import torch.distributed as dist
@@ -443,9 +490,6 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
     from pipetrain.strategies.ring import block_size, ring_allreduce
 
     world = dist.get_world_size()
-    big = [min(RING_BYTES[2], max(RING_BYTES[1], int(RING_SECONDS / max(s_per_byte, 1e-12))))]
-    dist.broadcast_object_list(big, src=0)
-    sizes = (RING_BYTES[0], big[0])
     small, large = (torch.zeros(world, block_size(n // 4, world, 1), device=device) for n in sizes)
     # the small one staggered, as a job's ranks arrive: each rank's own time, waiting included, is a
     # period of a ring that runs one allreduce after another; the mean over the ranks
@@ -459,10 +503,11 @@ def _ring_line(rank: int, s_per_byte: float, device: torch.device, rounds: int,
     return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
 
 
-def _ring_cpu(device: torch.device, sizes: tuple[int, int]) -> tuple[float, float]:
-    """(CPU seconds per step, per byte of its block) of :func:`pipetrain.strategies.ring.ring_allreduce`
-    over every rank with nothing else running (:func:`_ring_cpu_s`) at two gradient ``sizes`` (bytes),
-    and the line of :func:`pipetrain.costs.ring_allreduce_cpu_s` through the two. The line is not
+def _ring_cpu(device: torch.device, sizes: tuple[int, int]) -> tuple[float, float, float]:
+    """(CPU seconds per step, per byte of its block, seconds of the larger ring) of
+    :func:`pipetrain.strategies.ring.ring_allreduce` over every rank with nothing else running
+    (:func:`_ring_alone`) at two gradient ``sizes`` (bytes): the line of
+    :func:`pipetrain.costs.ring_allreduce_cpu_s` through the two, and how long the ``sizes[1]`` one took. The line is not
     straight over all sizes: a block travels in 1 to 16 messages ([Note: chunks] in
     :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB and 0.69-0.73 ms at
     1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With a thread of every
@@ -473,15 +518,15 @@ def _ring_cpu(device: torch.device, sizes: tuple[int, int]) -> tuple[float, floa
 
     world, codec = dist.get_world_size(), CODECS["none"]
     block = [block_size(nbytes // 4, world, 1) for nbytes in sizes]  # elements per rank's block
-    per_step = [_ring_cpu_s(device, codec, nbytes) / (2 * (world - 1)) for nbytes in sizes]
-    return _line(per_step, (4 * block[0], 4 * block[1]))
+    alone = [_ring_alone(device, codec, nbytes) for nbytes in sizes]
+    return (*_line([cpu / (2 * (world - 1)) for cpu, _ in alone], (4 * block[0], 4 * block[1])), alone[1][1])
 
 
-def _ring_cpu_s(device: torch.device, codec: Codec, nbytes: int) -> float:
-    """CPU seconds of one :func:`pipetrain.strategies.ring.ring_allreduce` of a float32 gradient of
-    ``nbytes`` with ``codec`` over every rank, nothing else running: calls lined up by a barrier after
-    one that warms the ring's buffers up, each rank's median CPU of its whole process (gloo's threads
-    included), averaged over the ranks. As many calls as fit in :data:`RING_CPU_SECONDS` (by the
+def _ring_alone(device: torch.device, codec: Codec, nbytes: int) -> tuple[float, float]:
+    """(CPU seconds, seconds) of one :func:`pipetrain.strategies.ring.ring_allreduce` of a float32
+    gradient of ``nbytes`` with ``codec`` over every rank, nothing else running: calls lined up by a
+    barrier after one that warms the ring's buffers up, each rank's median CPU of its whole process
+    (gloo's threads included) and median time, each averaged over the ranks. As many calls as fit in :data:`RING_CPU_SECONDS` (by the
     slowest rank's warm-up), between :data:`RING_CPU_CALLS`: one call's CPU varies a lot (vgg-like's
     107 MB ring on 2 ranks: 50-58 ms on one rank and 53-82 ms on the other over 12 calls), and the
     median of 3 read 44-75 ms in four probes."""
@@ -498,13 +543,14 @@ def _ring_cpu_s(device: torch.device, codec: Codec, nbytes: int) -> float:
     warm = torch.tensor([time.perf_counter() - w0], dtype=torch.float64, device=device)
     dist.all_reduce(warm, op=dist.ReduceOp.MAX)
     low, high = RING_CPU_CALLS
-    cpu = []
+    cpu, wall = [], []
     for _ in range(min(high, max(low, int(RING_CPU_SECONDS / max(float(warm), 1e-6))))):
         dist.barrier()
-        c0 = time.process_time()
+        c0, t0 = time.process_time(), time.perf_counter()
         ring_allreduce(blocks, None, codec, held)
         cpu.append(time.process_time() - c0)
-    return _mean_over_ranks(statistics.median(cpu), device)
+        wall.append(time.perf_counter() - t0)
+    return _mean_over_ranks(statistics.median(cpu), device), _mean_over_ranks(statistics.median(wall), device)
 
 
 STAGGER_S = 0.002

@@ -189,15 +189,17 @@ class SimResult:
                 "peak_activation_bytes": self.peak_activation_bytes}
 
 
-def _link_terms(link: Link, setup: Setup | None, allreduce: str | None = None) -> tuple[float, float]:
+def _link_terms(link: Link, setup: Setup | None, allreduce: str | None = None,
+                idle: bool = False) -> tuple[float, float]:
     """(latency, seconds per byte) of one message on ``link``, or with ``allreduce`` (``"ours"``: our
     ring, ``"backend"``: the backend's ``all_reduce``) of one step of a gradient allreduce: with a
     measured set-up, its message (allreduce) latency more, at the slower of the link's and the
-    measured transport's (ring's) seconds per byte (see [Note: run set-up])."""
+    measured transport's (ring's) seconds per byte (see [Note: run set-up]); ``idle``: our ring's as
+    measured with nothing else running, where it was."""
     if setup is None:
         return link.latency_s, 1 / link.bandwidth_Bps
     latency, per_byte = (setup.latency_s, setup.s_per_byte) if allreduce is None else \
-        setup.allreduce_terms(ours=allreduce == "ours")
+        setup.allreduce_terms(ours=allreduce == "ours", idle=idle)
     return link.latency_s + latency, max(1 / link.bandwidth_Bps, per_byte)
 
 
@@ -523,9 +525,12 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
 
     With a measured set-up in the profile, compute takes its ``slowdown`` times as long, every ring
     step the measured allreduce's latency more (our ring's for pipe-sgd, the backend's for ddp), at the
-    slower of the link's and the measured ring's seconds per byte, pipe-sgd's update its copy of the
-    gradient out of ``.grad``, and its allreduce the division of the sum into the mean (the set-up's
-    ``add_s_per_byte`` over the gradient, on the communication thread). ``ddp`` waits after its
+    slower of the link's and the measured ring's seconds per byte (our ring's between its line measured
+    idle, or timed idle at the job's gradient and codec, and busy, by how long the workers compute
+    beside it: :func:`pipetrain.costs.overlapped_ring_s`),
+    pipe-sgd's update its copy of the gradient out of ``.grad``, and its allreduce the division of the
+    sum into the mean (the set-up's ``add_s_per_byte`` over the gradient, on the communication thread).
+    ``ddp`` waits after its
     backward only for what its bucket allreduces during the backward did not finish (``comm_s`` stays
     one allreduce of the whole gradient).
         minibatches: how many the simulator runs (its rate is taken between the first and last update).
@@ -563,20 +568,26 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         reduce_s = costs.contended_s(arithmetic if setup is None or setup.ring_s_per_byte == 0 else extra, slowdown)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
     latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
+    # our ring's A copies the gradient out of .grad on the compute thread
+    if spec.compresses and setup is not None:
+        update_s += costs.contended_s(whole.parameter_bytes * setup.copy_s_per_byte, slowdown)
+    ring_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma)
+    if spec.compresses and setup is not None:  # busy while the workers compute beside it (K >= 2), idle after
+        # the job's own ring as the set-up timed it idle (no faster than the link allows), else the idle line
+        timed = setup.idle_ring(codec.name, workers, whole.parameter_bytes)
+        idle_s = costs.ring_allreduce_time(workers, payload, *_link_terms(link, setup, "ours", idle=True), gamma) \
+            if timed is None else max(timed, costs.ring_allreduce_time(workers, payload, *_link_terms(link, None), 0.0))
+        ring_s = costs.overlapped_ring_s(idle_s, ring_s, update_s + compute_s if k > 1 else 0.0)
     # after our ring, its thread divides the sum by p: one pass over the gradient, priced as an add
     mean_s = whole.parameter_bytes * setup.add_s_per_byte if spec.compresses and setup is not None else 0.0
-    comm_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma) + \
-        costs.contended_s(mean_s, slowdown) if workers > 1 else 0.0
+    comm_s = ring_s + costs.contended_s(mean_s, slowdown) if workers > 1 else 0.0
     if comm_cpu_s is None:  # CPU seconds of the ring's messages and adds, the codec's work and the mean
         comm_cpu_s = 0.0 if setup is None else mean_s + _priced_ring_cpu_s(
             setup, codec, workers, whole.parameter_bytes, payload, extra if setup.ring_cpu_s > 0 else arithmetic)
     if cores_per_worker is None:
         cores_per_worker = math.inf if setup is None else setup.cores_per_worker
-    # our ring's A copies the gradient out of .grad on the compute thread
-    if spec.compresses and setup is not None:
-        update_s += costs.contended_s(whole.parameter_bytes * setup.copy_s_per_byte, slowdown)
     # synchronous SGD waits for the allreduce anyway (eq. 2), so its CPU only counts for K >= 2
-    step_s = costs.shared_core_compute_s(update_s, 0.0, comm_cpu_s, cores_per_worker) if k > 1 else update_s
+    step_s = costs.shared_core_compute_s(update_s, 0.0, comm_cpu_s, cores_per_worker, slowdown) if k > 1 else update_s
     # DDP allreduces its buckets during the backward: only what is left after it waits
     waited_s = _ddp_waited_s(profile, whole, workers, shard_slowdown, latency, byte_s) \
         if strategy == "ddp" and workers > 1 else comm_s

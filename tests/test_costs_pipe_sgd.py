@@ -24,6 +24,10 @@ def test_a_rings_cpu_and_where_it_is_charged_by_hand() -> None:
     assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 2.0) == 3.0
     assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 1.0) == 6.0
     assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 0.5) == 9.0
+    # below a core each, a CPU second costs what compute does where that is more than 1 / cores
+    assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 0.5, slowdown=2.6) == pytest.approx(3.0 + 3.0 * 2.6)
+    assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 0.5, slowdown=1.5) == 9.0
+    assert costs.shared_core_compute_s(1.0, 2.0, 3.0, 1.0, slowdown=2.6) == 6.0
 
 
 def test_equations_2_to_7_by_hand() -> None:
