@@ -186,9 +186,10 @@ def shared_core_compute_s(update_s: Num, compute_s: Num, comm_cpu_s: Num, cores_
     work (copying the gradient out, the codec, the network stack's part of every send and receive)
     on the cores its compute uses, so that work adds to the compute side:
     ``l_up + l_comp + l_comm_cpu / min(1, cores_per_worker)`` (below one core each, the larger of that
-    divisor's inverse and the slowdown: below); with 2 or more cores it overlaps and adds nothing. ``comm_cpu_s`` is CPU seconds: where workers outnumber the cores, every core is busy with
-    their compute and the machine spreads that work over all of them, so each CPU second of it costs a
-    worker 1 / cores_per_worker seconds. Pipe-SGD with 3 workers of a small Transformer LM on 2 cores
+    divisor's inverse and the slowdown: below); with 2 or more cores it overlaps and adds nothing.
+    ``comm_cpu_s`` is CPU seconds: where workers outnumber the cores, every core is busy with their
+    compute and the machine spreads that work over all of them, so each CPU second of it costs a worker
+    1 / cores_per_worker seconds. Pipe-SGD with 3 workers of a small Transformer LM on 2 cores
     kept them 98% busy: each worker's threads used 45-46 ms of CPU per iteration (11.5 of them its
     ring's), and an iteration took 68-71 ms, 3/2 of that. Where the machine shares its cores less well
     than that, a CPU second costs what a second of compute does: the measured ``slowdown`` of all the

@@ -54,7 +54,8 @@ class Setup:
             profile saved before they were), and the message figures stand in.
         idle_ring_latency_s, idle_ring_s_per_byte: the same ring's line with nothing else running (what
             a ring met while the workers compute only part of it is priced between the two:
-            :func:`pipetrain.costs.overlapped_ring_s`); 0 when not measured, and the ring is priced busy.
+            :func:`pipetrain.costs.overlapped_ring_s`); 0 when not measured (a pipeline's set-up, which
+            leaves our ring's CPU unmeasured too), and the ring is priced busy.
         idle_ring_s: seconds one whole ring allreduce of a gradient of ``ring_cpu_bytes`` took with each
             codec (by name, ``none`` included), nothing else running, timed with its CPU
             (:func:`_ring_alone`): the job's own ring, its codec's work included, where the idle line
@@ -404,7 +405,9 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     stop.set()
     load.join()
     dist.barrier()
-    idle_ring_latency, idle_ring_per_byte = _ring_line(rank, ring_sizes, device, rounds)
+    # only pipe-sgd, whose set-up times our ring's CPU, is priced with it
+    idle_ring_latency, idle_ring_per_byte = (0.0, 0.0) if ring_cpu_bytes is None else \
+        _ring_line(rank, ring_sizes, device, rounds)
     if rank != 0:
         return {}
     cpu_s, cpu_per_byte = _line(cpu)
@@ -416,8 +419,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
-                step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0, codec_ring_cpu_s={name: cpu for name, (cpu, _) in alone.items()},
-                ring_cpu_bytes=codec_bytes, resampled_s=resampled, idle_ring_latency_s=idle_ring_latency,
+                step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0,
+                codec_ring_cpu_s={name: cpu for name, (cpu, _) in alone.items()}, ring_cpu_bytes=codec_bytes, resampled_s=resampled, idle_ring_latency_s=idle_ring_latency,
                 idle_ring_s_per_byte=idle_ring_per_byte, idle_ring_s=idle_ring)
 
 
@@ -481,8 +484,8 @@ def _ring_line(rank: int, sizes: tuple[int, int], device: torch.device, rounds: 
     few seconds apart), each rank's median, waiting included, averaged over the ranks. Lined up by a
     barrier, 4 ranks on 2 cores read 2.8-3.8 ms per step, staggered 3.8-4.4, and mnist-mlp's pipe-sgd
     rings met 3.7-4.1 in its runs (their time less the bytes at β). Large: ``big_rounds`` lined up by
-    a barrier, sized to take about :data:`RING_SECONDS` on the link; a one-message line under-rates what a long
-    transfer costs (on loopback gloo moved 1 MiB messages at 0.26 ns/B, a 108 MB ring at 1.9 ns/B with
+    a barrier, sized to take about :data:`RING_SECONDS` on the link; a one-message line under-rates
+    what a long transfer costs (on loopback gloo moved 1 MiB messages at 0.26 ns/B, a 108 MB ring at 1.9 ns/B with
     the cores busy)."""
     import torch.distributed as dist
 
@@ -507,8 +510,8 @@ def _ring_cpu(device: torch.device, sizes: tuple[int, int]) -> tuple[float, floa
     """(CPU seconds per step, per byte of its block, seconds of the larger ring) of
     :func:`pipetrain.strategies.ring.ring_allreduce` over every rank with nothing else running
     (:func:`_ring_alone`) at two gradient ``sizes`` (bytes): the line of
-    :func:`pipetrain.costs.ring_allreduce_cpu_s` through the two, and how long the ``sizes[1]`` one took. The line is not
-    straight over all sizes: a block travels in 1 to 16 messages ([Note: chunks] in
+    :func:`pipetrain.costs.ring_allreduce_cpu_s` through the two, and how long the ``sizes[1]`` one
+    took. The line is not straight over all sizes: a block travels in 1 to 16 messages ([Note: chunks] in
     :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB and 0.69-0.73 ms at
     1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With a thread of every
     rank computing it is about as much (3 ranks, 3.3 MB: 10.4 ms alone, 9.8 ms beside a matmul loop)."""
@@ -526,8 +529,8 @@ def _ring_alone(device: torch.device, codec: Codec, nbytes: int) -> tuple[float,
     """(CPU seconds, seconds) of one :func:`pipetrain.strategies.ring.ring_allreduce` of a float32
     gradient of ``nbytes`` with ``codec`` over every rank, nothing else running: calls lined up by a
     barrier after one that warms the ring's buffers up, each rank's median CPU of its whole process
-    (gloo's threads included) and median time, each averaged over the ranks. As many calls as fit in :data:`RING_CPU_SECONDS` (by the
-    slowest rank's warm-up), between :data:`RING_CPU_CALLS`: one call's CPU varies a lot (vgg-like's
+    (gloo's threads included) and median time, each averaged over the ranks. As many calls as fit in
+    :data:`RING_CPU_SECONDS` (by the slowest rank's warm-up), between :data:`RING_CPU_CALLS`: one call's CPU varies a lot (vgg-like's
     107 MB ring on 2 ranks: 50-58 ms on one rank and 53-82 ms on the other over 12 calls), and the
     median of 3 read 44-75 ms in four probes."""
     import torch.distributed as dist

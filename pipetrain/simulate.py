@@ -527,12 +527,11 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     step the measured allreduce's latency more (our ring's for pipe-sgd, the backend's for ddp), at the
     slower of the link's and the measured ring's seconds per byte (our ring's between its line measured
     idle, or timed idle at the job's gradient and codec, and busy, by how long the workers compute
-    beside it: :func:`pipetrain.costs.overlapped_ring_s`),
-    pipe-sgd's update its copy of the gradient out of ``.grad``, and its allreduce the division of the
-    sum into the mean (the set-up's ``add_s_per_byte`` over the gradient, on the communication thread).
-    ``ddp`` waits after its
-    backward only for what its bucket allreduces during the backward did not finish (``comm_s`` stays
-    one allreduce of the whole gradient).
+    beside it: :func:`pipetrain.costs.overlapped_ring_s`), pipe-sgd's update its copy of the gradient
+    out of ``.grad``, and its allreduce the division of the sum into the mean (the set-up's
+    ``add_s_per_byte`` over the gradient, on the communication thread). ``ddp`` waits after its backward
+    only for what its bucket allreduces during the backward did not finish (``comm_s`` stays one
+    allreduce of the whole gradient).
         minibatches: how many the simulator runs (its rate is taken between the first and last update).
 
     Raises:
@@ -568,12 +567,12 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         reduce_s = costs.contended_s(arithmetic if setup is None or setup.ring_s_per_byte == 0 else extra, slowdown)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
     latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
-    # our ring's A copies the gradient out of .grad on the compute thread
-    if spec.compresses and setup is not None:
-        update_s += costs.contended_s(whole.parameter_bytes * setup.copy_s_per_byte, slowdown)
     ring_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma)
-    if spec.compresses and setup is not None:  # busy while the workers compute beside it (K >= 2), idle after
-        # the job's own ring as the set-up timed it idle (no faster than the link allows), else the idle line
+    if spec.compresses and setup is not None:
+        # our ring's A copies the gradient out of .grad on the compute thread
+        update_s += costs.contended_s(whole.parameter_bytes * setup.copy_s_per_byte, slowdown)
+        # busy while the workers compute beside it (K >= 2), idle after: the job's own ring as the set-up
+        # timed it idle (no faster than the link allows), else the idle line
         timed = setup.idle_ring(codec.name, workers, whole.parameter_bytes)
         idle_s = costs.ring_allreduce_time(workers, payload, *_link_terms(link, setup, "ours", idle=True), gamma) \
             if timed is None else max(timed, costs.ring_allreduce_time(workers, payload, *_link_terms(link, None), 0.0))
