@@ -195,13 +195,25 @@ def shared_core_compute_s(update_s: Num, compute_s: Num, comm_cpu_s: Num, cores_
     than that, a CPU second costs what a second of compute does: the measured ``slowdown`` of all the
     workers computing at once, when it exceeds 1 / cores_per_worker. mnist-mlp's 4 workers on 2 cores
     computed 2.3-2.7x slower, and its pipe-sgd iterations, bound by the cores, took 26 ms where 2 per
-    CPU second priced 21-23.
+    CPU second priced 21-23. Where the set-up timed Pipe-SGD's loop itself, that is priced instead
+    (:func:`shared_core_period_s`).
     """
     if cores_per_worker >= 2:
         return update_s + compute_s
     if cores_per_worker >= 1:
         return update_s + compute_s + comm_cpu_s
     return update_s + compute_s + comm_cpu_s * max(1.0 / cores_per_worker, slowdown)
+
+
+def shared_core_period_s(period_s: Num, update_s: Num, mean_s: Num, link_ring_s: Num) -> Num:
+    """Seconds per iteration of Pipe-SGD (K >= 2) whose workers share cores, from its loop as timed on
+    them: ``max(period + l_up + mean, ring on the link alone)``. Ours, not the paper's: eq. 4 takes the
+    compute and the communication as separate resources; where workers share cores, every CPU second of
+    either slows the other, so the set-up times the loop itself, a training step with the ring of the
+    step before beside it (:meth:`pipetrain.runsetup.Setup.period`). The update (its copy of the
+    gradient included) and the division of the sum by p (``mean_s``) run on the same cores and add to
+    it; no faster than the link moves the ring (``link_ring_s``: a link slower than the set-up's)."""
+    return np.maximum(period_s + update_s + mean_s, link_ring_s)
 
 
 def scaling_efficiency(update_s: Num, compute_s: Num, comm_s: Num) -> Num:

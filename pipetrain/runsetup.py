@@ -15,6 +15,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -87,6 +88,10 @@ class Setup:
             backward directly (:func:`pipetrain.simulate.predict_data_parallel`).
         resampled_s: seconds the compute rounds went on past the first because the slowdown read more
             than the cores explain (:func:`_compute_rounds`); 0 when it did not, or not measured.
+        period_s: where the workers share cores, seconds per iteration of pipe-sgd's own loop at K = 2
+            with each codec (by name, ``none`` included) at a gradient of ``ring_cpu_bytes``: the
+            kernel, then the ring of the step before it, which ran beside it (:func:`_period`; see
+            :meth:`period`); empty when not measured.
     """
 
     backend: str
@@ -116,6 +121,7 @@ class Setup:
     idle_ring_latency_s: float = 0.0
     idle_ring_s_per_byte: float = 0.0
     idle_ring_s: dict[str, float] = field(default_factory=dict)
+    period_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def cores_per_worker(self) -> float:
@@ -168,6 +174,19 @@ class Setup:
         iteration in 26-30 ms where the line and arithmetic priced 21."""
         return self._at_job(self.idle_ring_s, codec, workers, nbytes)
 
+    def period(self, codec: str, workers: int, nbytes: int) -> float | None:
+        """Seconds per iteration of pipe-sgd's loop at K = 2 (a training step, the ring of the step before
+        beside it) over ``workers`` with ``codec`` at ``nbytes`` of gradient, as measured in this set-up;
+        None where it was not (workers with cores of their own, another codec, workers or size).
+
+        Ours: where workers share cores, the ring's CPU and the compute slow each other by more than
+        either's own measurement says. mnist-mlp's 4 workers on 2 cores: a CPU second of the ring,
+        charged at 2 (the workers per core), priced 21-23 ms where its iterations took 26 ms on the
+        emulated cluster; charged at the compute's slowdown, which read 2.25-2.81 from one set-up to
+        the next, its predictions on loopback ran 2525-3546 samples/s against 3016-4116 measured.
+        Timed as the workers run it, the loop took 26.0-30.2 ms in 11 of 12 probes of 12 iterations (20.9 in one)."""
+        return self._at_job(self.period_s, codec, workers, nbytes)
+
     def _at_job(self, table: dict[str, float], codec: str, workers: int, nbytes: int) -> float | None:
         """``table``'s entry for ``codec`` where the set-up measured it for ``workers`` and ``nbytes``."""
         if workers != self.workers or nbytes != self.ring_cpu_bytes:
@@ -187,7 +206,7 @@ class Setup:
         if not isinstance(data, dict):
             raise ValueError(f"profile: 'setup' is {data!r:.40}, not an object")
         kinds = {"backend": str, "workers": int, "threads": int, "cores": int, "step_rows": int, "ring_cpu_bytes": int}
-        by_codec = ("codec_ring_cpu_s", "idle_ring_s")
+        by_codec = ("codec_ring_cpu_s", "idle_ring_s", "period_s")
         values: dict[str, Any] = {f.name: field_of(data, f.name, "setup", kinds.get(f.name, float),
                                                    None if f.default is MISSING else f.default)
                                   for f in fields(Setup) if f.name not in by_codec}
@@ -210,6 +229,7 @@ class Setup:
                 f"{1e9 * self.ring_cpu_s_per_byte:.2f} ns/B"
                 + "".join(f", {name} ring {1e3 * s:.1f} ms of CPU" for name, s in self.codec_ring_cpu_s.items())
                 + "".join(f", {name} ring {1e3 * s:.1f} ms idle" for name, s in self.idle_ring_s.items())
+                + "".join(f", {name} pipe-sgd iteration {1e3 * s:.1f} ms" for name, s in self.period_s.items())
                 + f", 10 ms of compute "
                 f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms"
                 + (f", a training step of {self.step_rows} rows {1e3 * self.step_s:.1f} ms all at once" if self.step_rows else "")
@@ -263,8 +283,9 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     big = RING_BYTES[2] if ring_bytes is None else min(RING_CPU_MAX_BYTES, max(ring_bytes, 4 * RING_BYTES[0]))
     sizes = (RING_BYTES[1], big) if ring_bytes is None else (big // 4, big)
     codec_bytes = big if big == ring_bytes and ring_cpu else 0  # where a job's gradient can match it
+    shared = workers >= 2 and workers * threads > (os.cpu_count() or 1)
     results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, settle_s,
-                           sizes if ring_cpu else None, codec_bytes),
+                           sizes if ring_cpu else None, codec_bytes, shared),
                   max(2, workers))
     return Setup(**results[0])
 
@@ -369,10 +390,11 @@ def _compute_rounds(workers: int, threads: int, kernel: Callable[[], Any], secon
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
            timeout: float, compute_rounds: int, settle_s: float, ring_cpu_bytes: tuple[int, int] | None,
-           codec_bytes: int) -> dict[str, Any]:
+           codec_bytes: int, shared: bool) -> dict[str, Any]:
     """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``ring_cpu_bytes``: the
     two gradients our ring's CPU is timed at (None: not timed); ``codec_bytes``: the one it is timed at
-    with each lossy codec too (0: none)."""
+    with each lossy codec too (0: none), and, where the workers share cores (``shared``), pipe-sgd's
+    loop with each codec (:func:`_period`)."""
     import torch.distributed as dist
 
     from pipetrain.runtime.job import init_distributed
@@ -408,6 +430,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     # only pipe-sgd, whose set-up times our ring's CPU, is priced with it
     idle_ring_latency, idle_ring_per_byte = (0.0, 0.0) if ring_cpu_bytes is None else \
         _ring_line(rank, ring_sizes, device, rounds)
+    periods = {name: _period(kernel, device, CODECS[name], codec_bytes, s) for name, s in idle_ring.items()} \
+        if shared else {}
     if rank != 0:
         return {}
     cpu_s, cpu_per_byte = _line(cpu)
@@ -421,7 +445,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
                 step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0,
                 codec_ring_cpu_s={name: cpu for name, (cpu, _) in alone.items()}, ring_cpu_bytes=codec_bytes, resampled_s=resampled, idle_ring_latency_s=idle_ring_latency,
-                idle_ring_s_per_byte=idle_ring_per_byte, idle_ring_s=idle_ring)
+                idle_ring_s_per_byte=idle_ring_per_byte, idle_ring_s=idle_ring, period_s=periods)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -461,6 +485,11 @@ RING_CPU_SECONDS = 1.0
 """About how long :func:`_ring_alone` times one ring allreduce over (fewer calls on a slow link)."""
 RING_CPU_CALLS = (3, 9)
 """The fewest and the most calls :func:`_ring_alone` takes the median of."""
+PERIOD_CALLS = (3, 24)
+"""The fewest and the most iterations of pipe-sgd's loop :func:`_period` takes the median of: its
+iterations vary with the machine's phases, and mnist-mlp's 4 workers on 2 cores read 24.4-32.9 ms for
+the plain ring in four set-ups with at most 9, 24.2-31.1 with at most 25 (24-33 ms an iteration in its
+runs)."""
 RING_SECONDS = 0.1
 """About how long the large ring allreduce should take, judged from the ping-pong's seconds per byte."""
 
@@ -554,6 +583,37 @@ def _ring_alone(device: torch.device, codec: Codec, nbytes: int) -> tuple[float,
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - t0)
     return _mean_over_ranks(statistics.median(cpu), device), _mean_over_ranks(statistics.median(wall), device)
+
+
+def _period(kernel: Callable[[], Any], device: torch.device, codec: Codec, nbytes: int, ring_s: float) -> float:
+    """Seconds per iteration of pipe-sgd's loop at K = 2 (a collective: every rank calls it): each rank
+    runs ``kernel`` (its training step), waits for the ring allreduce of the step before (a float32
+    gradient of ``nbytes``, with ``codec``), which ran on a communication thread beside it, and starts
+    the next; the median time between the waits' ends, averaged over the ranks. As many iterations as
+    rings of ``ring_s`` (the ring alone; the same on every rank) fit in :data:`RING_CPU_SECONDS`, within
+    :data:`PERIOD_CALLS`."""
+    import torch.distributed as dist
+
+    from pipetrain.strategies.ring import block_size, ring_allreduce
+
+    world = dist.get_world_size()
+    blocks = torch.zeros(world, block_size(nbytes // 4, world, codec.granule), device=device)
+    held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
+    low, high = PERIOD_CALLS
+    ends: list[float] = []
+    with ThreadPoolExecutor(1) as comm:
+        ring = comm.submit(ring_allreduce, blocks, None, codec, held)  # warms the buffers up
+        kernel()
+        ring.result()
+        dist.barrier()
+        for i in range(min(high, max(low, int(RING_CPU_SECONDS / max(ring_s, 1e-6)))) + 2):
+            kernel()
+            if i:
+                ring.result()
+                ends.append(time.perf_counter())
+            ring = comm.submit(ring_allreduce, blocks, None, codec, held)
+        ring.result()
+    return _mean_over_ranks(statistics.median(b - a for a, b in zip(ends, ends[1:])), device)
 
 
 STAGGER_S = 0.002

@@ -521,7 +521,10 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
             from the profile's measured set-up (our ring's CPU alone with the codec at this gradient,
             :meth:`~pipetrain.runsetup.Setup.codec_ring_cpu`, where measured, else the plain ring's,
             :meth:`~pipetrain.runsetup.Setup.ring_cpu`, and the codec's arithmetic beyond its adds;
-            then the mean), else 0 and unlimited.
+            then the mean), else 0 and unlimited. Where the set-up timed pipe-sgd's own loop at this
+            gradient, codec and workers (workers sharing cores: :meth:`~pipetrain.runsetup.Setup.period`)
+            and K >= 2, neither given, an iteration is that loop's time, the update and the mean added
+            (:func:`pipetrain.costs.shared_core_period_s`), as ``comm_s``, and no CPU is charged apart.
 
     With a measured set-up in the profile, compute takes its ``slowdown`` times as long, every ring
     step the measured allreduce's latency more (our ring's for pipe-sgd, the backend's for ddp), at the
@@ -568,6 +571,10 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
     latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
     ring_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma)
+    # the link's own ring time: no prediction from a set-up's timings is faster than that
+    link_ring_s = costs.ring_allreduce_time(workers, payload, *_link_terms(link, None), 0.0)
+    period = None if setup is None or not spec.compresses or k < 2 or comm_cpu_s is not None or \
+        cores_per_worker is not None else setup.period(codec.name, workers, whole.parameter_bytes)
     if spec.compresses and setup is not None:
         # our ring's A copies the gradient out of .grad on the compute thread
         update_s += costs.contended_s(whole.parameter_bytes * setup.copy_s_per_byte, slowdown)
@@ -575,11 +582,17 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         # timed it idle (no faster than the link allows), else the idle line
         timed = setup.idle_ring(codec.name, workers, whole.parameter_bytes)
         idle_s = costs.ring_allreduce_time(workers, payload, *_link_terms(link, setup, "ours", idle=True), gamma) \
-            if timed is None else max(timed, costs.ring_allreduce_time(workers, payload, *_link_terms(link, None), 0.0))
+            if timed is None else max(timed, link_ring_s)
         ring_s = costs.overlapped_ring_s(idle_s, ring_s, update_s + compute_s if k > 1 else 0.0)
     # after our ring, its thread divides the sum by p: one pass over the gradient, priced as an add
     mean_s = whole.parameter_bytes * setup.add_s_per_byte if spec.compresses and setup is not None else 0.0
     comm_s = ring_s + costs.contended_s(mean_s, slowdown) if workers > 1 else 0.0
+    if period is not None:
+        # workers sharing cores: the set-up timed this job's own loop (a step, the ring of the one before
+        # beside it), which holds what their compute and ring take from each other; the update, its copy
+        # and the mean compete for the same cores, so they add to it
+        comm_s = float(costs.shared_core_period_s(period, update_s, costs.contended_s(mean_s, slowdown), link_ring_s))
+        comm_cpu_s = 0.0
     if comm_cpu_s is None:  # CPU seconds of the ring's messages and adds, the codec's work and the mean
         comm_cpu_s = 0.0 if setup is None else mean_s + _priced_ring_cpu_s(
             setup, codec, workers, whole.parameter_bytes, payload, extra if setup.ring_cpu_s > 0 else arithmetic)

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -185,6 +186,39 @@ def test_pipe_sgd_charges_the_rings_measured_cpu_spread_over_the_shared_cores():
     assert step_s(cores=8) == pytest.approx(2 * MS)
     # ... and the ring's adds apart, timed here: microseconds for 50 floats
     assert step_s(cores=4, ring_cpu_s=0.0) == pytest.approx(2 * MS + 2 * 6 * 0.2 * MS, abs=0.05 * MS)
+
+
+def test_where_workers_share_cores_pipe_sgd_is_priced_from_its_loop_as_the_set_up_timed_it():
+    """Both layers' 800 parameter bytes on 4 workers on 2 cores, compute 2x slower all at once. The set-up
+    timed pipe-sgd's loop (a step, the ring of the one before beside it) at those 800 bytes: 20 ms an
+    iteration plain, 12 ms with quant8. The update (2 x 0.5 ms, 2x: 2 ms), the copy of the gradient out
+    of .grad (800 B x 1 us/B, 2x: 1.6 ms) and the mean (800 B x 0.5 us/B, 2x: 0.8 ms) share the cores:
+    an iteration takes 20 + 2 + 1.6 + 0.8 = 24.4 ms, and the ring's CPU is charged nowhere else (the
+    compute side is the update and the copy). At 1 KB/s the link alone moves the plain ring's
+    2 x 3/4 x 800 B in 1.2 s: that instead. K = 1, a loop timed for another gradient, and a caller's
+    cores per worker are priced as without the timing."""
+    timed = setup(workers=4, cores=2, copy_s_per_byte=1e-6, add_s_per_byte=0.5e-6, ring_cpu_s=1 * MS,
+                  ring_cpu_s_per_byte=1e-6, ring_cpu_bytes=800, period_s={"none": 20 * MS, "quant8": 12 * MS})
+
+    def predict(measured: Setup, link: Link = Link(), **options: object) -> object:
+        return predict_data_parallel(two_layers(measured), "pipe-sgd", 4, link, reduce_s=0.0, **options)  # type: ignore[arg-type]
+
+    plain = predict(timed)
+    assert (plain.comm_s, plain.update_s, plain.bound) == (pytest.approx(24.4 * MS), pytest.approx(3.6 * MS),
+                                                           "communication")
+    assert plain.formula_samples_per_s == pytest.approx(1 / (24.4 * MS))
+    assert predict(timed, compression="quant8").comm_s == pytest.approx(16.4 * MS)
+    assert predict(timed, Link(1e3)).comm_s == pytest.approx(1.2)
+    untimed = dataclasses.replace(timed, period_s={})
+    for options in ({"staleness": 1}, {"cores_per_worker": 0.5}):
+        assert predict(timed, **options).comm_s == pytest.approx(predict(untimed, **options).comm_s)
+        assert predict(timed, **options).update_s == pytest.approx(predict(untimed, **options).update_s)
+    other = dataclasses.replace(timed, ring_cpu_bytes=1600)
+    assert (predict(other).comm_s, predict(other).update_s) == \
+        (pytest.approx(predict(untimed).comm_s), pytest.approx(predict(untimed).update_s))
+    assert predict(untimed).update_s > 3.6 * MS + 2 * 7.2 * MS  # the ring's CPU charged to the compute side
+    assert costs.shared_core_period_s(20 * MS, 3 * MS, 1 * MS, 5 * MS) == pytest.approx(24 * MS)
+    assert costs.shared_core_period_s(20 * MS, 3 * MS, 1 * MS, 30 * MS) == pytest.approx(30 * MS)
 
 
 def test_a_codecs_ring_is_charged_the_cpu_the_set_up_measured_for_it_at_the_jobs_gradient():
@@ -411,6 +445,19 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert measured.jitter_s >= 0 and "ms of compute" in measured.describe()
     assert 0 < measured.copy_s_per_byte < 1e-7 and 0 < measured.add_s_per_byte < 1e-7  # over 10 MB/s
     assert 0 < measured.idle_latency_s and "idle" in measured.describe()
+
+
+def test_where_workers_share_cores_the_set_up_times_pipe_sgds_loop_with_each_codec(monkeypatch: pytest.MonkeyPatch):
+    """Two workers on what the set-up takes for one core: it times pipe-sgd's loop at the job's gradient,
+    plain and with each lossy codec; with a core each (this machine's two) it does not."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18)
+    assert all((measured.period(name, 2, 1 << 18) or 0) > 0 for name in ("none", "trunc16", "quant8"))
+    assert measured.period("none", 3, 1 << 18) is None and measured.period("none", 2, 1 << 19) is None
+    assert "quant8 pipe-sgd iteration" in measured.describe()
+    assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18).period_s == {}
 
 
 def test_a_set_up_for_a_pipeline_leaves_our_rings_cpu_unmeasured():
