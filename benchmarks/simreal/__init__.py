@@ -22,8 +22,9 @@ prediction would be wrong by construction, and the script does not try.)
    output stage's per-step rate (``result.history``) without the first ``skip`` steps (fill,
    warm-up) and the last ``tail`` (drain); the median over ``reps`` runs, schedules interleaved.
 4. Prediction (A) (:mod:`simreal.predict`): ``pipetrain.simulate`` of the same action lists with that
-   profile and link; the same statistic taken from the simulated trace. Printed beside the
-   measurement with the error.
+   profile and link; the same statistic taken from the simulated trace. The layer profiles are taken
+   again before each later repetition's runs, and (A) is the median over them, as the measurement is
+   the median over the runs. Printed beside the measurement with the error.
 5. Diagnosis (:mod:`simreal.diagnose`). (B) the same simulation fed each stage's worker replayed alone
    in a fresh worker process by ``pipetrain.runtime.solo.run_stage_alone`` (the job's own worker,
    receives instant): what the runtime's code costs beyond the layers. (C) the simulator fed the real
