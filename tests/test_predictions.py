@@ -53,6 +53,26 @@ def test_a_measured_setup_times_every_action_as_worked_out_by_hand():
 
 
 
+def test_a_schedule_of_microbatches_prices_its_stages_from_the_set_ups_step_at_a_microbatch():
+    """Both layers (F 1 ms, B 2 ms each at a minibatch of 8 rows), gpipe on 2 stages with 4
+    microbatches of 2 rows. The set-up's training step of the whole model at 2 rows took 3 ms all at
+    once, against the layers' 6 ms / 4 = 1.5 ms: every stage's compute runs 2x the profile, a
+    microbatch's forward 1 ms / 4 x 2 = 0.5 ms and its backward 1 ms, though the set-up's own
+    slowdown reads 1. A step of another size (8 rows), or none, leaves the profile's 0.25 and 0.5 ms."""
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 1000, 400, optimizer_s=0.5 * MS) for i in range(2)]
+
+    def first_forward_and_backward(step_rows: int, step_s: float = 3 * MS) -> tuple[float, float]:
+        measured = setup(cores=8, slowdown=1.0, latency_s=0.0, s_per_byte=0.0, message_cpu_s=0.0, step_s=step_s,
+                         step_rows=step_rows)
+        profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=measured)
+        times = {a: e - s for a, s, e in simulate(build_schedule("gpipe", [1, 1], 1, 4), profile, [0, 1]).trace[0]}
+        return times["F0.0"], times["B0.0"]
+
+    assert first_forward_and_backward(2) == (pytest.approx(0.5 * MS), pytest.approx(1 * MS))
+    assert first_forward_and_backward(8) == first_forward_and_backward(0, 0.0) == \
+        (pytest.approx(0.25 * MS), pytest.approx(0.5 * MS))
+
+
 def test_a_microbatchs_backward_after_the_first_adds_its_gradients_into_grad():
     """gpipe, one stage of both layers (800 parameter bytes), 3 microbatches, slowdown 2: F 2 ms / 3 x 2,
     B 4 ms / 3 x 2; the second and third backward of a minibatch also add 800 B x 1 us/B into .grad
