@@ -444,8 +444,9 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
                 step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0,
-                codec_ring_cpu_s={name: cpu for name, (cpu, _) in alone.items()}, ring_cpu_bytes=codec_bytes, resampled_s=resampled, idle_ring_latency_s=idle_ring_latency,
-                idle_ring_s_per_byte=idle_ring_per_byte, idle_ring_s=idle_ring, period_s=periods)
+                codec_ring_cpu_s={name: cpu for name, (cpu, _) in alone.items()}, ring_cpu_bytes=codec_bytes,
+                resampled_s=resampled, idle_ring_latency_s=idle_ring_latency, idle_ring_s_per_byte=idle_ring_per_byte,
+                idle_ring_s=idle_ring, period_s=periods)
 
 
 def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -564,22 +565,17 @@ def _ring_alone(device: torch.device, codec: Codec, nbytes: int) -> tuple[float,
     median of 3 read 44-75 ms in four probes."""
     import torch.distributed as dist
 
-    from pipetrain.strategies.ring import block_size, ring_allreduce
-
-    world = dist.get_world_size()
-    blocks = torch.zeros(world, block_size(nbytes // 4, world, codec.granule), device=device)
-    held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
+    ring = _job_ring(device, codec, nbytes)
     dist.barrier()
     w0 = time.perf_counter()
-    ring_allreduce(blocks, None, codec, held)
+    ring()
     warm = torch.tensor([time.perf_counter() - w0], dtype=torch.float64, device=device)
     dist.all_reduce(warm, op=dist.ReduceOp.MAX)
-    low, high = RING_CPU_CALLS
     cpu, wall = [], []
-    for _ in range(min(high, max(low, int(RING_CPU_SECONDS / max(float(warm), 1e-6))))):
+    for _ in range(_calls(float(warm), RING_CPU_CALLS)):
         dist.barrier()
         c0, t0 = time.process_time(), time.perf_counter()
-        ring_allreduce(blocks, None, codec, held)
+        ring()
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - t0)
     return _mean_over_ranks(statistics.median(cpu), device), _mean_over_ranks(statistics.median(wall), device)
@@ -594,26 +590,39 @@ def _period(kernel: Callable[[], Any], device: torch.device, codec: Codec, nbyte
     :data:`PERIOD_CALLS`."""
     import torch.distributed as dist
 
+    ring = _job_ring(device, codec, nbytes)
+    ends: list[float] = []
+    with ThreadPoolExecutor(1) as comm:
+        pending = comm.submit(ring)  # warms the buffers up
+        kernel()
+        pending.result()
+        dist.barrier()
+        for i in range(_calls(ring_s, PERIOD_CALLS) + 2):
+            kernel()
+            if i:
+                pending.result()
+                ends.append(time.perf_counter())
+            pending = comm.submit(ring)
+        pending.result()
+    return _mean_over_ranks(statistics.median(b - a for a, b in zip(ends, ends[1:])), device)
+
+
+def _job_ring(device: torch.device, codec: Codec, nbytes: int) -> Callable[[], Any]:
+    """One :func:`pipetrain.strategies.ring.ring_allreduce` of a float32 gradient of ``nbytes`` with
+    ``codec`` over every rank, as a call that keeps its buffers between calls, as a job's ring does."""
+    import torch.distributed as dist
+
     from pipetrain.strategies.ring import block_size, ring_allreduce
 
     world = dist.get_world_size()
     blocks = torch.zeros(world, block_size(nbytes // 4, world, codec.granule), device=device)
-    held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
-    low, high = PERIOD_CALLS
-    ends: list[float] = []
-    with ThreadPoolExecutor(1) as comm:
-        ring = comm.submit(ring_allreduce, blocks, None, codec, held)  # warms the buffers up
-        kernel()
-        ring.result()
-        dist.barrier()
-        for i in range(min(high, max(low, int(RING_CPU_SECONDS / max(ring_s, 1e-6)))) + 2):
-            kernel()
-            if i:
-                ring.result()
-                ends.append(time.perf_counter())
-            ring = comm.submit(ring_allreduce, blocks, None, codec, held)
-        ring.result()
-    return _mean_over_ranks(statistics.median(b - a for a, b in zip(ends, ends[1:])), device)
+    held: dict[str, torch.Tensor] = {}
+    return functools.partial(ring_allreduce, blocks, None, codec, held)
+
+
+def _calls(each_s: float, bounds: tuple[int, int]) -> int:
+    """How many calls of ``each_s`` seconds fit in :data:`RING_CPU_SECONDS`, within ``bounds``."""
+    return min(bounds[1], max(bounds[0], int(RING_CPU_SECONDS / max(each_s, 1e-6))))
 
 
 STAGGER_S = 0.002

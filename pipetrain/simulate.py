@@ -568,8 +568,13 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         update_s = costs.contended_s(whole.update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
     payload = workers * codec.payload_bytes(block_size(elements, workers, codec.granule), torch.float32)
+    # workers sharing cores: the set-up may have timed this job's own loop (a step, the ring of the one
+    # before beside it), which holds what their compute, ring and codec take from each other
+    period = None if setup is None or not spec.compresses or k < 2 or comm_cpu_s is not None or \
+        cores_per_worker is not None else setup.period(codec.name, workers, whole.parameter_bytes)
     with torch_threads(None if setup is None else setup.threads):  # as a worker's communication thread runs it
-        arithmetic = ring_compute_seconds(codec, elements, workers) if reduce_s is None or comm_cpu_s is None else 0.0
+        arithmetic = ring_compute_seconds(codec, elements, workers) \
+            if period is None and (reduce_s is None or comm_cpu_s is None) else 0.0
         # beyond the plain adds, which a measured ring's seconds per byte and CPU hold already
         plain = arithmetic if not codec.lossy or not arithmetic else \
             ring_compute_seconds(get_codec(None), elements, workers)
@@ -578,29 +583,25 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
         reduce_s = costs.contended_s(arithmetic if setup is None or setup.ring_s_per_byte == 0 else extra, slowdown)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
     latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
-    ring_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma)
     # the link's own ring time: no prediction from a set-up's timings is faster than that
     link_ring_s = costs.ring_allreduce_time(workers, payload, *_link_terms(link, None), 0.0)
-    period = None if setup is None or not spec.compresses or k < 2 or comm_cpu_s is not None or \
-        cores_per_worker is not None else setup.period(codec.name, workers, whole.parameter_bytes)
-    if spec.compresses and setup is not None:
-        # our ring's A copies the gradient out of .grad on the compute thread
+    if spec.compresses and setup is not None:  # our ring's A copies the gradient out of .grad on the compute thread
         update_s += costs.contended_s(whole.parameter_bytes * setup.copy_s_per_byte, slowdown)
-        # busy while the workers compute beside it (K >= 2), idle after: the job's own ring as the set-up
-        # timed it idle (no faster than the link allows), else the idle line
-        timed = setup.idle_ring(codec.name, workers, whole.parameter_bytes)
-        idle_s = costs.ring_allreduce_time(workers, payload, *_link_terms(link, setup, "ours", idle=True), gamma) \
-            if timed is None else max(timed, link_ring_s)
-        ring_s = costs.overlapped_ring_s(idle_s, ring_s, update_s + compute_s if k > 1 else 0.0)
     # after our ring, its thread divides the sum by p: one pass over the gradient, priced as an add
     mean_s = whole.parameter_bytes * setup.add_s_per_byte if spec.compresses and setup is not None else 0.0
-    comm_s = ring_s + costs.contended_s(mean_s, slowdown) if workers > 1 else 0.0
-    if period is not None:
-        # workers sharing cores: the set-up timed this job's own loop (a step, the ring of the one before
-        # beside it), which holds what their compute and ring take from each other; the update, its copy
-        # and the mean compete for the same cores, so they add to it
+    if period is not None:  # the update, its copy and the mean compete for the same cores: they add to it
         comm_s = float(costs.shared_core_period_s(period, update_s, costs.contended_s(mean_s, slowdown), link_ring_s))
         comm_cpu_s = 0.0
+    else:
+        ring_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma)
+        if spec.compresses and setup is not None:
+            # busy while the workers compute beside it (K >= 2), idle after: the job's own ring as the
+            # set-up timed it idle (no faster than the link allows), else the idle line
+            timed = setup.idle_ring(codec.name, workers, whole.parameter_bytes)
+            idle_s = costs.ring_allreduce_time(workers, payload, *_link_terms(link, setup, "ours", idle=True),
+                                               gamma) if timed is None else max(timed, link_ring_s)
+            ring_s = costs.overlapped_ring_s(idle_s, ring_s, update_s + compute_s if k > 1 else 0.0)
+        comm_s = ring_s + costs.contended_s(mean_s, slowdown) if workers > 1 else 0.0
     if comm_cpu_s is None:  # CPU seconds of the ring's messages and adds, the codec's work and the mean
         comm_cpu_s = 0.0 if setup is None else mean_s + _priced_ring_cpu_s(
             setup, codec, workers, whole.parameter_bytes, payload, extra if setup.ring_cpu_s > 0 else arithmetic)

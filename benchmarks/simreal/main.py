@@ -96,10 +96,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup, _ = patience(lambda _: predict.measured_setup(model, data, cfg.batch, len(boundaries)), "set-up")
     setup_micro, _ = patience(lambda _: predict.measured_setup(model, data, cfg.batch // cfg.micro, len(boundaries)),
                               "set-up at the microbatch")
-    prof.setup, prof_micro.setup = setup, setup_micro
     print(f"run set-up: {setup.describe()}\nat the microbatch ({cfg.batch // cfg.micro}): {setup_micro.describe()}")
     stage_layers = [(a, b - 1) for a, b in zip(boundaries, [*boundaries[1:], len(prof)])]
-    by_m = {1: prof, cfg.micro: as_minibatch(prof_micro, cfg.micro)}
+    by_m = _by_microbatches(cfg, prof, prof_micro, setup, setup_micro)
     profiles = [by_m]  # (A)'s profiles: this one, then one more before each later repetition's runs
     corun = {b: diagnose.corun_slowdown(cfg, model, stage_layers, b) for b in (cfg.batch, cfg.batch // cfg.micro)}
     print(f"stages {boundaries} (layers {stage_layers} of {len(prof)}), the cut that balances the profile; "
@@ -201,8 +200,14 @@ def _layer_profiles(cfg: Config, model: nn.Module, data: TensorDataset, setup: S
     microbatch scaled up to it, each with its run set-up. One profile read pipedream 3487 and 2875
     samples/s in two runs at d6c7787 (its runs measured 3055 and 3127): a profile reads the VM's speed
     in the seconds it takes, as a run does, so it is taken as often as the runs are."""
-    prof = predict.profile_at(model, data, cfg.batch, cfg.repeats)
-    micro = predict.profile_at(model, data, cfg.batch // cfg.micro, cfg.repeats)
+    return _by_microbatches(cfg, predict.profile_at(model, data, cfg.batch, cfg.repeats),
+                            predict.profile_at(model, data, cfg.batch // cfg.micro, cfg.repeats), setup, setup_micro)
+
+
+def _by_microbatches(cfg: Config, prof: Profile, micro: Profile, setup: Setup,
+                     setup_micro: Setup) -> dict[int, Profile]:
+    """(A)'s profiles by microbatches: ``prof`` at the minibatch, ``micro`` at the microbatch scaled up
+    to it, each given its run set-up."""
     prof.setup, micro.setup = setup, setup_micro
     return {1: prof, cfg.micro: as_minibatch(micro, cfg.micro)}
 
