@@ -32,6 +32,8 @@ def test_sim_vs_real_smoke_predicts_and_measures_every_schedule(tmp_path: Path) 
         for key in ("predicted", "predicted_replay", "predicted_real_times", "measured"):
             assert math.isfinite(r[key]) and r[key] > 0, (r["schedule"], key, r[key])
         assert len(r["budget_real"]) == len(r["budget_sim"]) == len(r["budget_replay"]) == 2
+        assert len(r["predicted_runs"]) == len(r["measured_runs"]) == 2  # (A) from inputs taken per repetition
+    assert [set(steps) for steps in report["setup_steps_ms"]] == [{"32", "8"}] * 2
     assert set(report["replay_ms"]) == set(rows) and all(len(v) == 2 for v in report["replay_ms"].values())
     assert all(Path(p).stat().st_size > 0 for p in report["pngs"])
 

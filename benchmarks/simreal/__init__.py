@@ -11,8 +11,10 @@ prediction would be wrong by construction, and the script does not try.)
    count of every worker; at the minibatch size and at the microbatch size. CPU layer times are not
    linear in the batch while the simulator divides a stage's minibatch time by the microbatch count,
    so microbatched schedules get the microbatch profile scaled up by exactly that count
-   (:func:`pipetrain.profiling.as_minibatch`). The optimizer step (SGD + ``zero_grad``) is timed per
-   stage and passed as ``update_s``. The stage cut is the one that balances the profile.
+   (:func:`pipetrain.profiling.as_minibatch`). Each profile carries the run set-up of its size
+   (:func:`pipetrain.runsetup.measure_setup` of two workers whose shared work is the model's training
+   step), as ``stages="auto"`` measures it. The optimizer step (SGD + ``zero_grad``) is timed per stage
+   and printed beside the profile's. The stage cut is the one that balances the profile.
 2. Link (:mod:`simreal.link`): a ping-pong through the runtime's own ``Transport`` (gloo on loopback)
    between two otherwise idle processes; one way = round trip / 2; latency = a 4 KB message's one-way
    time, bandwidth from the cut-sized one. Also timed with both cores computing, and the CPU a
@@ -22,9 +24,9 @@ prediction would be wrong by construction, and the script does not try.)
    output stage's per-step rate (``result.history``) without the first ``skip`` steps (fill,
    warm-up) and the last ``tail`` (drain); the median over ``reps`` runs, schedules interleaved.
 4. Prediction (A) (:mod:`simreal.predict`): ``pipetrain.simulate`` of the same action lists with that
-   profile and link; the same statistic taken from the simulated trace. The layer profiles are taken
-   again before each later repetition's runs, and (A) is the median over them, as the measurement is
-   the median over the runs. Printed beside the measurement with the error.
+   profile and link; the same statistic taken from the simulated trace. The layer profiles and their
+   set-ups are taken again before each later repetition's runs, and (A) is the median over them, as
+   the measurement is the median over the runs. Printed beside the measurement with the error.
 5. Diagnosis (:mod:`simreal.diagnose`). (B) the same simulation fed each stage's worker replayed alone
    in a fresh worker process by ``pipetrain.runtime.solo.run_stage_alone`` (the job's own worker,
    receives instant): what the runtime's code costs beyond the layers. (C) the simulator fed the real

@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     replays: dict[str, list[list[dict[str, float]]]] = {s: [] for s, _ in cfg.schedules}
     for rep in range(cfg.reps):
         if rep:
-            more, _ = patience(lambda _: _layer_profiles(cfg, model, data, setup, setup_micro), f"profiles {rep + 1}")
+            more, _ = patience(lambda _: _inputs_again(cfg, model, data, len(boundaries)), f"profiles {rep + 1}")
             profiles.append(more)
+            print(f"  (A)'s inputs again: {_steps(cfg, more)}")
         for schedule, m in cfg.schedules:
             rp, _ = patience(lambda _: replay(cfg, boundaries, schedule, m), f"replay {schedule}")
             replays[schedule].append(rp)
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "boundaries": boundaries, "quick": args.quick, "smoke": args.smoke},
            "profile_foreign_cores": prof_foreign, "update_s": update, "extras": extras,
            "setup": dataclasses.asdict(setup), "setup_micro": dataclasses.asdict(setup_micro),
+           "setup_steps_ms": [{cfg.batch // m: 1e3 * p.setup.step_s for m, p in by.items() if p.setup is not None}
+                              for by in profiles],
            "corun_cpu_slowdown": corun, "elapsed_s": elapsed,
            "link": {"bandwidth_Bps": link.bandwidth_Bps, "latency_s": link.latency_s, **link_raw,
                     "foreign_cores": link_foreign},
@@ -194,14 +197,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
-def _layer_profiles(cfg: Config, model: nn.Module, data: TensorDataset, setup: Setup,
-                    setup_micro: Setup) -> dict[int, Profile]:
-    """(A)'s profiles by microbatches, taken again: the layer profile at the minibatch, and at the
-    microbatch scaled up to it, each with its run set-up. One profile read pipedream 3487 and 2875
-    samples/s in two runs at d6c7787 (its runs measured 3055 and 3127): a profile reads the VM's speed
-    in the seconds it takes, as a run does, so it is taken as often as the runs are."""
+def _inputs_again(cfg: Config, model: nn.Module, data: TensorDataset, workers: int) -> dict[int, Profile]:
+    """(A)'s profiles by microbatches, taken again with their run set-ups: the layer profile and the
+    set-up at the minibatch, and at the microbatch scaled up to it. One profile read pipedream 3487 and
+    2875 samples/s in two runs at d6c7787 (its runs measured 3055 and 3127), and the microbatched
+    schedules, priced from one set-up's step at a microbatch, read +12.6% and -4.6% in two runs whose
+    measurements agreed within 2%: a profile and a set-up read the VM's speed in the seconds they take,
+    as a run does, so they are taken as often as the runs are."""
+    setup = predict.measured_setup(model, data, cfg.batch, workers)
+    setup_micro = predict.measured_setup(model, data, cfg.batch // cfg.micro, workers)
     return _by_microbatches(cfg, predict.profile_at(model, data, cfg.batch, cfg.repeats),
                             predict.profile_at(model, data, cfg.batch // cfg.micro, cfg.repeats), setup, setup_micro)
+
+
+def _steps(cfg: Config, by_m: dict[int, Profile]) -> str:
+    """The set-ups' training steps of ``by_m`` against its layers summed, at the minibatch and the microbatch."""
+    parts = []
+    for m, prof in sorted(by_m.items()):
+        assert prof.setup is not None
+        rows = cfg.batch // m
+        layers = sum(layer.compute_s for layer in prof.layers) / m
+        parts.append(f"{rows} rows: step {1e3 * prof.setup.step_s:.1f} ms, layers {1e3 * layers:.1f} ms")
+    return "; ".join(parts)
 
 
 def _by_microbatches(cfg: Config, prof: Profile, micro: Profile, setup: Setup,

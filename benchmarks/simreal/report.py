@@ -74,8 +74,8 @@ def predictions(cfg: Config, rows: list[dict[str, Any]], stages: int, link_raw: 
     """(A) and (B) against the measurement; (C) against its own run."""
     print(f"\n## {stages} stages on {os.cpu_count()} cores, batch {cfg.batch}, {cfg.minibatches} minibatches "
           f"per run, median of steps {cfg.skip + 1}..{cfg.measured.stop}, median of {cfg.reps} run(s)\n")
-    print("Predicted from (A) the layer profile (pipetrain.profile, one process, 1 thread; the median over one "
-          "taken before each repetition's runs) and (B) each stage's worker replayed alone with the runtime's own "
+    print("Predicted from (A) the layer profile (pipetrain.profile, one process, 1 thread) with its run set-up (the "
+          "median over a pair taken before each repetition's runs) and (B) each stage's worker replayed alone with the runtime's own "
           "code; both with the idle ping-pong link:\n")
     print("| schedule | predicted (A) | predicted (B) | measured samples/s | error (A) % | error (B) % | other "
           "processes during the measured steps, cores |")
@@ -84,7 +84,7 @@ def predictions(cfg: Config, rows: list[dict[str, Any]], stages: int, link_raw: 
         print(f"| {name(r['schedule'], r['microbatches'])} | {r['predicted']:.0f} | {r['predicted_replay']:.0f} | "
               f"{r['measured']:.0f} | {r['error_pct']:+.1f} | {r['error_replay_pct']:+.1f} | "
               f"{', '.join(f'{c:.2f}' for c in r['foreign_cores'])} |")
-    print("\n(A) from each profile: " + "; ".join(
+    print("\n(A) from each profile and set-up: " + "; ".join(
         f"{name(r['schedule'], r['microbatches'])} {', '.join(f'{x:.0f}' for x in r['predicted_runs'])}" for r in rows))
     print("\nThe simulator's rules checked: (C) fed the real run's own mean F, B, U per worker and its mean "
           "message delivery time (send queued -> receive returned, receiver already waiting):\n")

@@ -60,7 +60,7 @@ PRESETS = {
     "full": Config(),
     "quick": Config(minibatches=24, reps=1, trace_pairs=2),
     # end to end in seconds: a model too small to say anything about the simulator
-    "smoke": Config(width=64, depth=2, batch=32, skip=2, tail=1, minibatches=8, reps=1, trace_pairs=1, repeats=2,
+    "smoke": Config(width=64, depth=2, batch=32, skip=2, tail=1, minibatches=8, reps=2, trace_pairs=1, repeats=2,
                     link_rounds=3),
 }
 
