@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prof, prof_micro, boundaries, update, extras = (p[k] for k in ("prof", "prof_micro", "boundaries", "update",
                                                                     "extras"))
     # the set-up's shared work is a training step at the size the workers run: a minibatch, or a microbatch
-    setup, _ = patience(lambda _: predict.measured_setup(model, data, cfg.batch, len(boundaries)), "set-up")
-    setup_micro, _ = patience(lambda _: predict.measured_setup(model, data, cfg.batch // cfg.micro, len(boundaries)),
-                              "set-up at the microbatch")
+    (setup, setup_micro), _ = patience(lambda _: _setups(cfg, model, data, len(boundaries)), "set-ups")
     print(f"run set-up: {setup.describe()}\nat the microbatch ({cfg.batch // cfg.micro}): {setup_micro.describe()}")
     stage_layers = [(a, b - 1) for a, b in zip(boundaries, [*boundaries[1:], len(prof)])]
     by_m = _by_microbatches(cfg, prof, prof_micro, setup, setup_micro)
@@ -204,10 +202,16 @@ def _inputs_again(cfg: Config, model: nn.Module, data: TensorDataset, workers: i
     schedules, priced from one set-up's step at a microbatch, read +12.6% and -4.6% in two runs whose
     measurements agreed within 2%: a profile and a set-up read the VM's speed in the seconds they take,
     as a run does, so they are taken as often as the runs are."""
-    setup = predict.measured_setup(model, data, cfg.batch, workers)
-    setup_micro = predict.measured_setup(model, data, cfg.batch // cfg.micro, workers)
     return _by_microbatches(cfg, predict.profile_at(model, data, cfg.batch, cfg.repeats),
-                            predict.profile_at(model, data, cfg.batch // cfg.micro, cfg.repeats), setup, setup_micro)
+                            predict.profile_at(model, data, cfg.batch // cfg.micro, cfg.repeats),
+                            *_setups(cfg, model, data, workers))
+
+
+def _setups(cfg: Config, model: nn.Module, data: TensorDataset, workers: int) -> tuple[Setup, Setup]:
+    """The run set-ups of ``workers`` workers whose shared work is a training step at the minibatch, and
+    at the microbatch (:func:`simreal.predict.measured_setup`)."""
+    return (predict.measured_setup(model, data, cfg.batch, workers),
+            predict.measured_setup(model, data, cfg.batch // cfg.micro, workers))
 
 
 def _steps(cfg: Config, by_m: dict[int, Profile]) -> str:
