@@ -206,15 +206,16 @@ def _link_terms(link: Link, setup: Setup | None, allreduce: str | None = None,
 class _Sim:
     """The mutable state of one simulation; see [Note: timing rules]."""
 
-    def __init__(self, schedule: Schedule, stages: list[StageCost], link: Link, update_s: float | None,
-                 sync_s: Sequence[float] | None, setup: Setup | None,
+    def __init__(self, schedule: Schedule, stages: list[StageCost], link: Link,
+                 update_s: float | Sequence[float] | None, sync_s: Sequence[float] | None, setup: Setup | None,
                  shares: Sequence[float] | None = None) -> None:
         self.sched, self.costs, self.link, self.setup = schedule, stages, link, setup
         self.shares = shares  # each worker's share of the time computing, from a pass before (None: all)
         self.slowdown = 1.0 if setup is None else setup.slowdown
-        # a caller's update_s is taken as the time it takes; the profile's is the optimizer alone
-        self.update_s = [costs.contended_s(c.update_s, self.slowdown) if update_s is None else update_s
-                         for c in stages]
+        # update_s (one for every stage, or one per stage) is taken as the time it takes; the profile's is
+        # the optimizer alone
+        self.update_s = [costs.contended_s(c.update_s, self.slowdown) for c in stages] if update_s is None else \
+            list(update_s) if isinstance(update_s, Sequence) else [update_s] * len(stages)
         n = schedule.num_workers
         self.pos, self.clock = [0] * n, [0.0] * n
         self.trace: list[list[Record]] = [[] for _ in range(n)]
@@ -370,12 +371,13 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
             [Note: timing rules]).
 
     The profile's measured set-up, if it has one, changes the rules as [Note: run set-up] says. A
-    schedule of one stage that is not sharded (each replica trains on whole minibatches) takes its
-    forward's and backward's slowdown from the set-up's training step when that step was of a whole
-    minibatch (:func:`_shard_priced`, one share): the step is exactly what each replica runs, timed in
-    the workers all at once. So do the stages of a schedule that runs microbatches, when the step was
-    of a microbatch's rows (the whole model's step over its layers' sum, for every stage): a layer
-    profile summed under-reads what a microbatch costs. sim_vs_real's wide MLP at 64 rows: its layers
+    schedule of one stage that is not sharded (each replica trains on whole minibatches), and every
+    stage of a schedule that runs microbatches, take their forward's and backward's slowdown from the
+    set-up's training step when that step was of a microbatch's rows (a whole minibatch without
+    microbatches): the whole model's step over its layers' sum (:func:`_shard_priced`, one share per
+    microbatch); their updates keep the set-up's own slowdown. For one stage the step is exactly what
+    each replica runs, timed in the workers all at once; for microbatches a layer profile summed
+    under-reads what a microbatch costs. sim_vs_real's wide MLP at 64 rows: its layers
     summed to 37.7 ms, the step read 42.5 all at once (slowdown 1.01), its two stages replayed alone
     in the runtime 42.3, and gpipe and 1f1b-flush priced from the layer profile read 4-26% high over
     four runs; at 256 rows the layers, the step and the replay agreed within 3%.
@@ -395,16 +397,17 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
     if sync_s is not None and len(sync_s) != schedule.num_stages:
         raise ValueError(f"{len(sync_s)} sync times for a {schedule.num_stages}-stage schedule; give one per stage")
     per_stage = stage_costs(profile, boundaries, batch_size)
+    updates: float | list[float] | None = update_s
     if schedule.sharded:  # each of r workers computes on its 1/r of the minibatch
         per_stage = [c.share(schedule.replicas[0]) for c in per_stage]
-    elif schedule.num_stages == 1 and profile.setup is not None:  # replicas of the whole model on whole minibatches
-        if update_s is None:  # the update keeps the set-up's slowdown, as in predict_data_parallel
-            update_s = costs.contended_s(per_stage[0].update_s, profile.setup.slowdown)
-        profile = _shard_priced(profile, per_stage[0], 1, batch_size)[0]
-    elif schedule.microbatches > 1 and profile.setup is not None:  # stages that run microbatches
+    elif profile.setup is not None and (schedule.num_stages == 1 or schedule.microbatches > 1):
+        # the whole model on whole minibatches, or stages that run microbatches: priced from the step at a
+        # microbatch's rows; the update keeps the set-up's slowdown, as in predict_data_parallel
+        if update_s is None:
+            updates = [costs.contended_s(c.update_s, profile.setup.slowdown) for c in per_stage]
         profile = _shard_priced(profile, stage_costs(profile, [0], batch_size)[0], schedule.microbatches,
                                 batch_size)[0]
-    sim = _run(schedule, per_stage, link, update_s, sync_s, profile.setup)
+    sim = _run(schedule, per_stage, link, updates, sync_s, profile.setup)
     makespan = max(sim.clock, default=0.0)
     busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]
     scale = [c.stash_bytes / schedule.microbatches for c in sim.costs]
@@ -421,7 +424,7 @@ SHARE_PASSES = 8
 """At most this many passes find the workers' compute shares a message's latency follows (:func:`_run`)."""
 
 
-def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: float | None,
+def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: float | Sequence[float] | None,
          sync_s: Sequence[float] | None, setup: Setup | None) -> _Sim:
     """The simulation run to its end. With a set-up that measured a message idle as well as busy, and
     messages to send, each message's latency follows how much of the time its two ends compute
@@ -665,8 +668,8 @@ def _shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: 
     """``profile`` with its set-up's ``slowdown`` as a worker's share of the minibatch measured it, and
     that slowdown: the set-up's training step at the share's rows (:attr:`pipetrain.runsetup.Setup.step_s`,
     timed in the workers, all at once) over the forward + backward of ``whole`` (the profile as one
-    stage) split ``workers`` ways (1: a worker that trains on whole minibatches, as a one-stage
-    pipeline's replicas do). Unchanged without a step of those rows (slowdown 1 without a set-up).
+    stage) split ``workers`` ways (a data-parallel worker's shard; a schedule's microbatches; 1: a
+    worker that trains on whole minibatches, as a one-stage pipeline's replicas do). Unchanged without a step of those rows (slowdown 1 without a set-up).
 
     Ours: a CPU runs a smaller batch less well, and a layer profile taken in a few seconds of one
     process reads a VM's faster and slower phases; the step, timed in the workers themselves over

@@ -344,6 +344,23 @@ def test_a_one_stage_pipeline_computes_as_long_as_the_setups_step_at_the_whole_m
     assert rate(16) == pytest.approx(32 / (92 * MS))
 
 
+def test_a_one_stage_schedule_of_microbatches_computes_as_long_as_the_setups_step_at_a_microbatch():
+    """The same layers as one gpipe stage on one worker, 4 microbatches of 8 rows (what ``stages="auto"``
+    plans for one worker). The set-up timed a training step of 8 rows, a microbatch, at 16.5 ms: 1.5x
+    the profile's 44 ms / 4. So a microbatch's forward takes 1 ms x 1.5 and its backward 10 ms x 1.5,
+    and the update keeps the set-up's slowdown (2 x 2 ms): 4 x 16.5 + 4 = 70 ms a minibatch. A step of
+    the whole minibatch (32 rows) is not what a microbatch runs: the slowdown prices it all, 88 + 4 ms."""
+    layers = [LayerProfile(str(i), 2 * MS, 20 * MS, 1000, 4000, optimizer_s=1 * MS) for i in range(2)]
+
+    def rate(rows: int, step_s: float) -> float:
+        measured = setup(cores=8, slowdown=2.0, step_s=step_s, step_rows=rows)
+        profile = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured)
+        return simulate(build_schedule("gpipe", [1], 6, 4), profile, [0]).samples_per_s
+
+    assert rate(8, 16.5 * MS) == pytest.approx(32 / (70 * MS))
+    assert rate(32, 66 * MS) == pytest.approx(32 / (92 * MS))
+
+
 def test_what_a_prediction_times_here_it_times_with_the_workers_thread_count(monkeypatch: pytest.MonkeyPatch):
     """The codec's arithmetic (pipe-sgd) and the host's copy and add (cgdp) are timed in this process,
     as a worker with the set-up's thread count runs them (vgg-like's trunc16 ring: 19 ms of arithmetic
