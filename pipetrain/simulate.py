@@ -207,15 +207,14 @@ class _Sim:
     """The mutable state of one simulation; see [Note: timing rules]."""
 
     def __init__(self, schedule: Schedule, stages: list[StageCost], link: Link,
-                 update_s: float | Sequence[float] | None, sync_s: Sequence[float] | None, setup: Setup | None,
+                 update_s: Sequence[float] | None, sync_s: Sequence[float] | None, setup: Setup | None,
                  shares: Sequence[float] | None = None) -> None:
         self.sched, self.costs, self.link, self.setup = schedule, stages, link, setup
         self.shares = shares  # each worker's share of the time computing, from a pass before (None: all)
         self.slowdown = 1.0 if setup is None else setup.slowdown
-        # update_s (one for every stage, or one per stage) is taken as the time it takes; the profile's is
-        # the optimizer alone
+        # a given update_s (per stage) is taken as the time it takes; the profile's is the optimizer alone
         self.update_s = [costs.contended_s(c.update_s, self.slowdown) for c in stages] if update_s is None else \
-            list(update_s) if isinstance(update_s, Sequence) else [update_s] * len(stages)
+            list(update_s)
         n = schedule.num_workers
         self.pos, self.clock = [0] * n, [0.0] * n
         self.trace: list[list[Record]] = [[] for _ in range(n)]
@@ -397,7 +396,7 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
     if sync_s is not None and len(sync_s) != schedule.num_stages:
         raise ValueError(f"{len(sync_s)} sync times for a {schedule.num_stages}-stage schedule; give one per stage")
     per_stage = stage_costs(profile, boundaries, batch_size)
-    updates: float | list[float] | None = update_s
+    updates = None if update_s is None else [update_s] * schedule.num_stages
     if schedule.sharded:  # each of r workers computes on its 1/r of the minibatch
         per_stage = [c.share(schedule.replicas[0]) for c in per_stage]
     elif profile.setup is not None and (schedule.num_stages == 1 or schedule.microbatches > 1):
@@ -424,7 +423,7 @@ SHARE_PASSES = 8
 """At most this many passes find the workers' compute shares a message's latency follows (:func:`_run`)."""
 
 
-def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: float | Sequence[float] | None,
+def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: Sequence[float] | None,
          sync_s: Sequence[float] | None, setup: Setup | None) -> _Sim:
     """The simulation run to its end. With a set-up that measured a message idle as well as busy, and
     messages to send, each message's latency follows how much of the time its two ends compute
@@ -669,7 +668,8 @@ def _shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: 
     that slowdown: the set-up's training step at the share's rows (:attr:`pipetrain.runsetup.Setup.step_s`,
     timed in the workers, all at once) over the forward + backward of ``whole`` (the profile as one
     stage) split ``workers`` ways (a data-parallel worker's shard; a schedule's microbatches; 1: a
-    worker that trains on whole minibatches, as a one-stage pipeline's replicas do). Unchanged without a step of those rows (slowdown 1 without a set-up).
+    worker that trains on whole minibatches, as a one-stage pipeline's replicas do). Unchanged without
+    a step of those rows (slowdown 1 without a set-up).
 
     Ours: a CPU runs a smaller batch less well, and a layer profile taken in a few seconds of one
     process reads a VM's faster and slower phases; the step, timed in the workers themselves over
