@@ -20,7 +20,7 @@ from pipetrain.layers import LayerError, LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
 from pipetrain.planning.choose import Choice, choose_strategy, predict_plan
 from pipetrain.planning.units import parse_bandwidth
-from pipetrain.profiling import Profile, as_minibatch, profile_model
+from pipetrain.profiling import Profile, as_minibatch, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
@@ -428,7 +428,8 @@ def _on_rank0(work: Callable[[], dict[str, Any]], timeout: float) -> dict[str, A
 def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor],
                       optimizer: Callable[..., torch.optim.Optimizer], batch_size: int, workers: int,
                       threads: int, step_rows: int | None = None, ring_cpu: bool = True) -> Profile:
-    """The model profiled on the first minibatch with the workers' thread count and optimizer; with the
+    """The model profiled on the first minibatch with the workers' thread count and optimizer, building a
+    minibatch from ``dataset`` timed (:func:`pipetrain.profiling.time_batching`); with the
     run set-up of ``workers`` local workers measured (:func:`pipetrain.runsetup.measure_setup`), their
     shared work a training step on the minibatch's first ``step_rows`` samples (default: all of them;
     a data-parallel worker's shard prices that worker directly), our ring's CPU timed unless
@@ -441,6 +442,7 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     try:
         with torch_threads(threads):
             measured = profile_model(model, tuple(batch), loss_fn, optimizer=optimizer, repeats=5, warmup=2)
+            measured.inputs_s, measured.targets_s = time_batching(dataset, batch_size)
     except LayerError:
         raise
     except Exception as e:  # the user's model, loss or optimizer on the user's data: say where it failed

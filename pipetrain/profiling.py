@@ -3,8 +3,10 @@
 A profile is taken on a stated device at a stated minibatch size. For layer k it holds the forward and
 backward seconds, the bytes of every tensor crossing the cut after layer k (what layer k's stage would
 send to the next stage, and receive back as gradients), the layer's parameter bytes and the seconds of
-an optimizer step on them (0 when not measured). A profile may also carry the run set-up it was taken
-for (:class:`pipetrain.runsetup.Setup`: per-message cost, how workers sharing cores slow each other).
+an optimizer step on them (0 when not measured). A profile taken with a dataset also holds the seconds
+a worker takes to build a minibatch's inputs and its targets from it (0 when not measured). A profile
+may also carry the run set-up it was taken for (:class:`pipetrain.runsetup.Setup`: per-message cost,
+how workers sharing cores slow each other).
 
 JSON form (``version`` 1)::
 
@@ -12,6 +14,7 @@ JSON form (``version`` 1)::
      "batch_size": 32, "input_bytes": 8192,
      "layers": [{"name": "0", "forward_s": 0.001, "backward_s": 0.002,
                  "activation_bytes": 4096, "parameter_bytes": 1024, "optimizer_s": 0.0001}, ...],
+     "inputs_s": 0.0002, "targets_s": 0.0001,   (optional)
      "setup": {...}}   (optional; see pipetrain.runsetup.Setup)
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
 from pipetrain.layers import LayeredModel
 from pipetrain.runsetup import Setup
@@ -61,7 +65,12 @@ class LayerProfile:
 
 @dataclass
 class Profile:
-    """Every layer of a model, in order, measured at ``batch_size`` on ``device``."""
+    """Every layer of a model, in order, measured at ``batch_size`` on ``device``.
+
+    ``inputs_s`` and ``targets_s``: seconds one worker takes to build a minibatch's inputs (its
+    targets) from the dataset, each item fetched and its part collated, as the runtime's first (last)
+    stage does once per minibatch (:func:`time_batching`); 0 when not measured.
+    """
 
     layers: list[LayerProfile]
     batch_size: int
@@ -70,6 +79,8 @@ class Profile:
     input_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     setup: Setup | None = None
+    inputs_s: float = 0.0
+    targets_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -79,10 +90,19 @@ class Profile:
         """Bytes of every layer's parameters: the gradient a data-parallel step allreduces."""
         return sum(layer.parameter_bytes for layer in self.layers)
 
+    def work_s(self) -> list[float]:
+        """Each layer's seconds per minibatch on its stage: forward, backward and optimizer step, with
+        building the minibatch's inputs on the first layer and its targets on the last."""
+        work = [layer.compute_s + layer.optimizer_s for layer in self.layers]
+        work[0] += self.inputs_s
+        work[-1] += self.targets_s
+        return work
+
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "device": self.device,
                 "batch_size": self.batch_size, "input_bytes": self.input_bytes, "meta": self.meta,
                 "layers": [asdict(layer) for layer in self.layers],
+                **({"inputs_s": self.inputs_s, "targets_s": self.targets_s} if self.inputs_s or self.targets_s else {}),
                 **({"setup": asdict(self.setup)} if self.setup is not None else {})}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -163,7 +183,8 @@ class Profile:
             # batch_size 0 means unknown, as in PipeDream's files; `pipetrain profile` never writes it
             return Profile(entries, _field(data, "batch_size", "profile", int), _field(data, "device", "profile", str),
                            str(data.get("model", "")), _field(data, "input_bytes", "profile", int, 0), meta,
-                           None if setup is None else Setup.from_dict(setup, _field))
+                           None if setup is None else Setup.from_dict(setup, _field),
+                           _field(data, "inputs_s", "profile", float, 0.0), _field(data, "targets_s", "profile", float, 0.0))
         except ValueError as e:
             raise ProfileError(f"{source}: malformed {e}; regenerate it with `pipetrain profile`") from None
 
@@ -306,7 +327,23 @@ def as_minibatch(micro: Profile, m: int) -> Profile:
     layers = [replace(x, forward_s=x.forward_s * m, backward_s=x.backward_s * m, activation_bytes=x.activation_bytes * m)
               for x in micro.layers]
     return Profile(layers, micro.batch_size * m, micro.device, micro.model, micro.input_bytes * m,
-                   {**micro.meta, "measured_at_batch": micro.batch_size, "microbatches": m}, setup=micro.setup)
+                   {**micro.meta, "measured_at_batch": micro.batch_size, "microbatches": m}, setup=micro.setup,
+                   inputs_s=micro.inputs_s * m, targets_s=micro.targets_s * m)
+
+
+def time_batching(dataset: Any, rows: int, repeats: int = 3) -> tuple[float, float]:
+    """Seconds to build a minibatch of the first ``rows`` items' inputs, and of their targets, from
+    ``dataset`` (of ``(input, target)`` pairs), each as a worker builds it: every item fetched and that
+    part collated (the runtime's first stage builds the inputs, its last the targets). Medians of
+    ``repeats`` runs after one untimed."""
+    items = range(min(rows, len(dataset)))
+    times: list[list[float]] = [[], []]
+    for _ in range(repeats + 1):
+        for part in (0, 1):
+            start = time.perf_counter()
+            default_collate([dataset[i][part] for i in items])
+            times[part].append(time.perf_counter() - start)
+    return statistics.median(times[0][1:]), statistics.median(times[1][1:])
 
 
 def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any], torch.Tensor] | None,

@@ -7,7 +7,9 @@ format and :mod:`pipetrain.trace` draws both.
 
 * ``F``/``B`` last the stage's forward/backward seconds (sum over its layers), divided by the
   microbatch count for microbatched schedules, and taken at 1/r of the batch on each of r workers of
-  a sharded (data-parallel) schedule;
+  a sharded (data-parallel) schedule; a minibatch's first ``F`` on the first stage also builds its
+  inputs from the dataset, on the last stage its targets (the profile's ``inputs_s``, ``targets_s``),
+  as the runtime's workers do;
 * a send (``SF``/``SB``) is asynchronous: 0 s on the sender. The transfer is queued FIFO on the
   (sender -> receiver) link, which carries one transfer at a time, each occupying it for
   ``latency + bytes / bandwidth``;
@@ -101,6 +103,8 @@ class StageCost:
             layer's output (PipeDream §3.5's intermediate state, weights excluded).
         parameter_bytes: the stage's weights.
         update_s: the optimizer step on them (the profile's ``optimizer_s``; 0 if not measured).
+        batching_s: building the minibatch from the dataset before its first forward: the inputs on
+            the first stage, the targets on the last (the profile's ``inputs_s`` and ``targets_s``).
     """
 
     forward_s: float
@@ -109,12 +113,13 @@ class StageCost:
     stash_bytes: float
     parameter_bytes: int
     update_s: float = 0.0
+    batching_s: float = 0.0
 
     def share(self, parts: int) -> StageCost:
-        """The cost of 1/``parts`` of the minibatch (times and activations scale, weights and their
-        optimizer step do not)."""
+        """The cost of 1/``parts`` of the minibatch (times, activations and the rows built scale,
+        weights and their optimizer step do not)."""
         return StageCost(self.forward_s / parts, self.backward_s / parts, self.output_bytes / parts,
-                         self.stash_bytes / parts, self.parameter_bytes, self.update_s)
+                         self.stash_bytes / parts, self.parameter_bytes, self.update_s, self.batching_s / parts)
 
 
 def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | None = None) -> list[StageCost]:
@@ -146,7 +151,9 @@ def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | N
             backward_s=scale * sum(x.backward_s for x in layers),
             output_bytes=scale * layers[-1].activation_bytes,
             stash_bytes=scale * (inputs + sum(x.activation_bytes for x in layers)),
-            parameter_bytes=sum(x.parameter_bytes for x in layers), update_s=sum(x.optimizer_s for x in layers)))
+            parameter_bytes=sum(x.parameter_bytes for x in layers), update_s=sum(x.optimizer_s for x in layers),
+            batching_s=scale * ((profile.inputs_s if first == 0 else 0.0) +
+                                (profile.targets_s if end == len(profile) else 0.0))))
     return stages
 
 
@@ -290,9 +297,10 @@ class _Sim:
     def _end(self, w: int, a: Action, start: float) -> float | None:
         s, m = self.sched.stage_of(w), self.sched.microbatches
         if a.kind == FORWARD:
-            new_version = a.micro in (None, 0) and self.updates[w] not in self.versions[w].values()
-            copy = self.copy_s[s] if new_version else 0.0
-            return start + costs.contended_s(self.costs[s].forward_s / m + copy, self.slowdown)
+            first = a.micro in (None, 0)  # builds the minibatch; may make a new weight version
+            copy = self.copy_s[s] if first and self.updates[w] not in self.versions[w].values() else 0.0
+            build = self.costs[s].batching_s if first else 0.0
+            return start + costs.contended_s(self.costs[s].forward_s / m + copy + build, self.slowdown)
         if a.kind == BACKWARD:
             add = self.add_s[s] if self.grads_held[w] else 0.0
             return start + costs.contended_s(self.costs[s].backward_s / m + add, self.slowdown)
@@ -476,7 +484,8 @@ class DataParallelPrediction:
         formula_samples_per_s: from the paper's closed form: Pipe-SGD eq. 4/5 for K >= 2, eq. 2 for
             synchronous SGD (K = 1, and ddp).
         scaling_efficiency: Pipe-SGD eq. 7, (l_up + l_comp) / max(l_up + l_comp, l_comm).
-        compute_s, update_s, comm_s: one worker's forward + backward on its shard, optimizer step
+        compute_s, update_s, comm_s: one worker's forward + backward on its shard (building the shard
+            from the dataset included), optimizer step
             (with the allreduce's CPU when it shares the worker's cores), and one gradient allreduce
             (Pipe-SGD's ring model, eq. 5's communication term).
         payload_bytes: the gradient as the ring sends it (after compression).
@@ -565,7 +574,9 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     setup = profile.setup
     slowdown = 1.0 if setup is None else setup.slowdown
     priced, shard_slowdown = _shard_priced(profile, whole, workers, batch_size)
-    compute_s = costs.contended_s((whole.forward_s + whole.backward_s) / workers, shard_slowdown)
+    # a worker builds its shard of the minibatch, then runs its forward and backward on it
+    build_s = costs.contended_s(whole.batching_s / workers, slowdown)
+    compute_s = costs.contended_s((whole.forward_s + whole.backward_s) / workers, shard_slowdown) + build_s
     if update_s is None:  # as the simulator does: a caller's update_s is taken as given
         update_s = costs.contended_s(whole.update_s, slowdown)
     elements = whole.parameter_bytes // 4  # float32 gradients
@@ -592,7 +603,9 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     # after our ring, its thread divides the sum by p: one pass over the gradient, priced as an add
     mean_s = whole.parameter_bytes * setup.add_s_per_byte if spec.compresses and setup is not None else 0.0
     if period is not None:  # the update, its copy and the mean compete for the same cores: they add to it
-        comm_s = float(costs.shared_core_period_s(period, update_s, costs.contended_s(mean_s, slowdown), link_ring_s))
+        # the loop's step did not build its shard of the minibatch: that adds to it too
+        comm_s = float(costs.shared_core_period_s(period + build_s, update_s, costs.contended_s(mean_s, slowdown),
+                                                  link_ring_s))
         comm_cpu_s = 0.0
     else:
         ring_s = costs.ring_allreduce_time(workers, payload, latency, byte_s, gamma)
@@ -669,7 +682,9 @@ def _shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: 
     timed in the workers, all at once) over the forward + backward of ``whole`` (the profile as one
     stage) split ``workers`` ways (a data-parallel worker's shard; a schedule's microbatches; 1: a
     worker that trains on whole minibatches, as a one-stage pipeline's replicas do). Unchanged without
-    a step of those rows (slowdown 1 without a set-up).
+    a step of those rows (slowdown 1 without a set-up). Building a minibatch from the dataset is not
+    part of the step: the profile's ``inputs_s`` and ``targets_s`` are rescaled so that the new slowdown
+    prices them at the set-up's own.
 
     Ours: a CPU runs a smaller batch less well, and a layer profile taken in a few seconds of one
     process reads a VM's faster and slower phases; the step, timed in the workers themselves over
@@ -684,7 +699,10 @@ def _shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: 
     share = (whole.forward_s + whole.backward_s) / workers
     if setup.step_s <= 0 or setup.step_rows * workers != batch or share <= 0:
         return profile, setup.slowdown
-    return replace(profile, setup=replace(setup, slowdown=setup.step_s / share)), setup.step_s / share
+    slowdown = setup.step_s / share
+    keep = setup.slowdown / slowdown  # building a minibatch is not the step: it keeps the set-up's slowdown
+    return replace(profile, setup=replace(setup, slowdown=slowdown), inputs_s=profile.inputs_s * keep,
+                   targets_s=profile.targets_s * keep), slowdown
 
 
 def _shard_backward_s(profile: Profile, whole: StageCost, workers: int, slowdown: float) -> list[float]:
@@ -804,7 +822,8 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
     sim = simulate(build_data_parallel("cgdp", workers, minibatches), priced, [0], Link(), batch_size,
                    update_s, sync_s=[overhead])
     batch = profile.batch_size if batch_size is None else batch_size
-    iteration = costs.contended_s(mine.forward_s, shard_slowdown) + backward + update_s
+    iteration = costs.contended_s(mine.forward_s, shard_slowdown) + costs.contended_s(mine.batching_s, slowdown) + \
+        backward + update_s
     return CGDPPrediction(
         samples_per_s=sim.samples_per_s or (batch / iteration if batch else 0.0), iteration_s=iteration,
         backward_s=backward, plain_backward_s=sum(bp) + tail_s, overhead_s=overhead,

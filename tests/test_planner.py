@@ -137,6 +137,21 @@ def test_straight_uses_one_worker_per_stage():
     assert plan(profile, 7, "10Gbit", straight=True, fewer_workers=True).config == "1-1-1-1-1-1"
 
 
+def test_building_the_minibatch_counts_on_the_stage_that_does_it():
+    """4 layers of 1 s, 2 workers, one each, nothing to send: the cut falls in the middle (2 s a stage).
+    A first stage that also builds the inputs in 2 s holds one layer (3 s against 3 s); a last stage that
+    builds the targets in 2 s, one layer too."""
+    def cut(**building: float) -> tuple[int, list[float]]:
+        profile = make_profile([(1.0, 0, 0)] * 4)
+        profile.inputs_s, profile.targets_s = building.get("inputs_s", 0.0), building.get("targets_s", 0.0)
+        chosen = plan(profile, 2, 1e9, straight=True)
+        return chosen.stages[1].first_layer, [s.time_s for s in chosen.stages]
+
+    assert cut() == (2, [pytest.approx(2.0)] * 2)
+    assert cut(inputs_s=2.0) == (1, [pytest.approx(3.0)] * 2)
+    assert cut(targets_s=2.0) == (3, [pytest.approx(3.0)] * 2)
+
+
 def test_memory_limit_excludes_configs():
     # Two heavy layers: unconstrained, pure data parallelism wins; each replica then holds all the
     # weights (plus one stashed version), which a limit can forbid.

@@ -327,6 +327,42 @@ def test_a_data_parallel_worker_computes_as_long_as_the_setups_step_at_its_shard
     assert other.samples_per_s == pytest.approx(32 / (4 * MS + 40 * MS + allreduce + 4 * MS))
 
 
+def test_building_a_minibatch_is_priced_on_its_first_forward_where_the_runtime_builds_it():
+    """The two layers (F 1 ms, B 2 ms, U 0.5 ms each), building a minibatch's inputs 3 ms and its targets
+    5 ms. model-parallel on 2 stages: stage 0's forward also builds the inputs (1 + 3 ms), stage 1's the
+    targets (1 + 5 ms): 4 + 6 + 2 + 2 + 0.5 = 14.5 ms, 8 ms more than the layers alone. gpipe with 2
+    microbatches builds once per minibatch, on its first microbatch's forward (0.5 + 3, then 0.5)."""
+    built = dataclasses.replace(two_layers(None), inputs_s=3 * MS, targets_s=5 * MS)
+    result = simulate(build_schedule("model-parallel", [1, 1], 1), built, [0, 1])
+    times = [{a: (round(s / MS, 6), round(e / MS, 6)) for a, s, e in worker} for worker in result.trace]
+    assert times[0]["F0"] == (0, 4) and times[1]["F0"] == (4, 10)
+    assert result.makespan_s == pytest.approx(14.5 * MS)
+    gpipe = simulate(build_schedule("gpipe", [1, 1], 1, 2), built, [0, 1]).trace[0]
+    assert [round((e - s) / MS, 6) for a, s, e in gpipe if a.startswith("F")] == [3.5, 0.5]
+
+
+def test_a_data_parallel_worker_builds_its_shard_at_the_setups_slowdown_not_the_steps():
+    """The set-up above (a step of 16 rows 1.5x the profile's share, slowdown 2) and building a
+    minibatch's inputs 4 ms and targets 2 ms: each of 2 workers builds its half of both, 3 ms, at the
+    set-up's slowdown (not the step's, which measured the model, not the data): 6 ms more per
+    iteration, in ddp's compute and its rate, and in cgdp's iteration."""
+    from pipetrain.simulate import predict_cgdp
+
+    mib2 = 2 << 20
+    layers = [LayerProfile(str(i), 2 * MS, 20 * MS, 1000, mib2, optimizer_s=1 * MS) for i in range(2)]
+    measured = setup(cores=8, slowdown=2.0, ring_s_per_byte=5e-9, allreduce_latency_s=1 * MS, step_s=33 * MS,
+                     step_rows=16)
+    profile = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured, inputs_s=4 * MS,
+                      targets_s=2 * MS)
+    allreduce = 2 * MS + mib2 * 5e-9
+    ddp = predict_data_parallel(profile, "ddp", 2, Link(), reduce_s=0.0)
+    assert ddp.compute_s == pytest.approx(33 * MS + 6 * MS)
+    iteration = 6 * MS + 3 * MS + 30 * MS + allreduce + 4 * MS  # build, forward, backward, the wait, update
+    assert ddp.samples_per_s == pytest.approx(32 / iteration)
+    assert ddp.formula_samples_per_s == pytest.approx(32 / iteration)
+    assert predict_cgdp(profile, 2, 1).iteration_s == pytest.approx(6 * MS + 3 * MS + 30 * MS + 4 * MS)
+
+
 def test_a_one_stage_pipeline_computes_as_long_as_the_setups_step_at_the_whole_minibatch():
     """The same two layers (4 ms forward, 40 ms backward, 2 ms of optimizer on the batch of 32) as one
     stage on one worker. The set-up timed a training step of all 32 rows at 66 ms with every worker

@@ -1,6 +1,7 @@
 """Profiles: the profiler on Sequential and branchy fx models, PipeDream's graph.txt, JSON, the CLI."""
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from torch import nn
 import pipetrain
 from pipetrain import cli
 from pipetrain.layers import LayeredModel
-from pipetrain.profiling import LayerProfile, Profile, ProfileError
+from pipetrain.profiling import LayerProfile, Profile, ProfileError, as_minibatch, time_batching
 
 DATA = Path(pipetrain.__file__).parent / "data" / "pipedream"
 
@@ -111,6 +112,38 @@ def test_json_round_trip(tmp_path):
     assert json.loads(path.read_text())["layers"][1]["forward_s"] == 0.3
 
 
+def test_building_a_minibatch_round_trips_scales_with_microbatches_and_must_be_a_time(tmp_path):
+    profile = Profile([LayerProfile("a", 0.1, 0.2, 64, 32)], 16, "cpu", "M", 128, inputs_s=0.003, targets_s=0.001)
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    four = as_minibatch(profile, 4)
+    assert (four.inputs_s, four.targets_s) == (pytest.approx(0.012), pytest.approx(0.004))
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "inputs_s": -1}))
+    with pytest.raises(ProfileError, match="'inputs_s' is -1, not a finite number >= 0"):
+        Profile.load(path)
+
+
+def test_building_a_minibatch_is_timed_as_a_worker_builds_it():
+    """Each part fetches every item (a worker building inputs or targets indexes the dataset itself)
+    and collates that part: 3 items that each take at least 2 ms to fetch take 6 ms or more per part."""
+    fetched: list[int] = []
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int):
+            fetched.append(i)
+            time.sleep(0.002)
+            return torch.full((2,), float(i)), torch.tensor(i)
+
+    inputs_s, targets_s = time_batching(Slow(), 3, repeats=2)
+    assert inputs_s >= 0.006 and targets_s >= 0.006
+    assert fetched == [0, 1, 2] * 6  # one untimed run and 2 timed, each part fetching every item
+
+
 def mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.BatchNorm1d(16), nn.Linear(16, 4))
@@ -188,4 +221,6 @@ def test_cli_profile_then_plan(capsys, tmp_path):
     assert plan["stages"][-1]["last_layer"] == 8
     code = cli.main(["profile", "pipetrain.zoo:digits_cnn", "--batch-size", "8", "--data", "pipetrain.data:digits",
                      "--loss", "cross_entropy", "--repeats", "1", "--warmup", "0", "-o", str(out)])
-    assert code == 0 and Profile.load(out).input_bytes == 8 * 64 * 4
+    with_data = Profile.load(out)
+    assert code == 0 and with_data.input_bytes == 8 * 64 * 4 and with_data.inputs_s > 0 and with_data.targets_s > 0
+    assert "ms its inputs" in capsys.readouterr().out

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset, default_collate
 
 from pipetrain.runsetup import median_seconds
 from pipetrain.trace import Record, seconds_by_kind, update_ends
@@ -20,8 +19,7 @@ from simreal.workload import Config
 KINDS = ("F", "B", "U", "RF", "RB", "SF", "SB")  # the action kinds of a pipeline with one worker per stage
 
 
-def time_runtime_extras(model: nn.Sequential, boundaries: list[int], data: TensorDataset, batch: int,
-                        repeats: int) -> dict[str, Any]:
+def time_runtime_extras(model: nn.Sequential, boundaries: list[int], repeats: int) -> dict[str, Any]:
     """Work the runtime does that the layer profile does not contain, timed in this process.
 
     * ``stash_copy_s``: ``pipedream``'s weight stashing copies a stage's weights into a recycled
@@ -30,9 +28,6 @@ def time_runtime_extras(model: nn.Sequential, boundaries: list[int], data: Tenso
     * ``accumulate_s``: with microbatches, every backward after a minibatch's first adds its
       weight gradients into ``.grad`` (autograd's AccumulateGrad: ``grad += new``), a pass over the
       stage's gradients that a layer profile, one backward at a time, never makes.
-    * ``load_batch_s``: the input stage builds each minibatch from the dataset item by item
-      (``Worker._batch``: indexing plus ``default_collate``); the output stage does the same for the
-      targets.
     """
     copies, accumulate = [], []
     for a, b in zip(boundaries, [*boundaries[1:], len(model)]):
@@ -52,8 +47,7 @@ def time_runtime_extras(model: nn.Sequential, boundaries: list[int], data: Tenso
 
         copies.append(median_seconds(copy, repeats, 2))
         accumulate.append(median_seconds(add, repeats, 2))
-    load = median_seconds(lambda: default_collate([data[i][0] for i in range(batch)]), repeats, 2)
-    return {"stash_copy_s": copies, "accumulate_s": accumulate, "load_batch_s": load,
+    return {"stash_copy_s": copies, "accumulate_s": accumulate,
             "page_fault_us": page_fault_us()}
 
 

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bounds = predict.balanced_cut(prof)
         return {"prof": prof, "prof_micro": predict.profile_at(model, data, cfg.batch // cfg.micro, cfg.repeats),
                 "boundaries": bounds, "update": predict.time_update(model, bounds, cfg.repeats),
-                "extras": diagnose.time_runtime_extras(model, bounds, data, cfg.batch, cfg.repeats)}
+                "extras": diagnose.time_runtime_extras(model, bounds, cfg.repeats)}
 
     p, prof_foreign = patience(take_profiles, "profiles")
     prof, prof_micro, boundaries, update, extras = (p[k] for k in ("prof", "prof_micro", "boundaries", "update",

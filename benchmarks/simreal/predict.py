@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import pipetrain
-from pipetrain.profiling import LayerProfile, Profile
+from pipetrain.profiling import LayerProfile, Profile, time_batching
 from pipetrain.registry import build_schedule
 from pipetrain.runsetup import Setup, measure_setup, model_step
 from pipetrain.simulate import Link, simulate
@@ -65,10 +65,13 @@ def predict(cfg: Config, schedule: str, m: int, profile: Profile, boundaries: li
 
 # -- (A) the layer profile -------------------------------------------------------------------------
 def profile_at(model: nn.Module, data: TensorDataset, batch: int, repeats: int) -> Profile:
-    """``pipetrain.profile`` of ``model`` on the first ``batch`` samples, with the runs' SGD step per layer."""
+    """``pipetrain.profile`` of ``model`` on the first ``batch`` samples, with the runs' SGD step per layer
+    and building a minibatch from ``data`` timed (as ``stages="auto"`` profiles)."""
     x, y = data.tensors[0][:batch], data.tensors[1][:batch]
-    return pipetrain.profile(model, (x, y), F.cross_entropy, optimizer=functools.partial(torch.optim.SGD, lr=LR),
-                             repeats=repeats, warmup=3)
+    profile = pipetrain.profile(model, (x, y), F.cross_entropy, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                                repeats=repeats, warmup=3)
+    profile.inputs_s, profile.targets_s = time_batching(data, batch, repeats)
+    return profile
 
 
 def measured_setup(model: nn.Module, data: TensorDataset, batch: int, workers: int) -> Setup:

@@ -40,10 +40,16 @@ def profiles(by_batch: dict[int, Profile], stage_layers: list[tuple[int, int]], 
           f"per byte: pipedream's weight stash copy per "
           f"minibatch ({', '.join(f'{c * 1e3:.2f}' for c in extras['stash_copy_s'])} ms per stage); adding one "
           f"microbatch's gradients into .grad ({', '.join(f'{c * 1e3:.2f}' for c in extras['accumulate_s'])} "
-          f"ms per stage). Not priced: building a minibatch from the dataset ({extras['load_batch_s'] * 1e3:.2f} ms). One minor "
+          f"ms per stage). Building a minibatch from the dataset, priced on the first F of each minibatch: "
+          f"{_batching(by_batch)}. One minor "
           f"page fault costs {extras['page_fault_us']:.2f} µs.")
     print("CPU time of stage 0's F+B while stage 1's F+B runs in another process, over alone: " +
           ", ".join(f"{v:.3f} at batch {b}" for b, v in corun.items()))
+
+
+def _batching(by_batch: dict[int, Profile]) -> str:
+    """The profiles' times to build a minibatch's inputs and targets, in ms."""
+    return ", ".join(f"{p.inputs_s * 1e3:.2f} / {p.targets_s * 1e3:.2f} ms at batch {b}" for b, p in by_batch.items())
 
 
 def link(link: Link, raw: dict[str, Any], foreign: float) -> None:

@@ -15,7 +15,7 @@ from pipetrain.layers import split_points
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.units import format_bandwidth
-from pipetrain.profiling import Profile, profile_model
+from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
 from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
@@ -127,6 +127,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     with torch_threads(threads):
         profile = profile_model(model, batch, loss_fn, optimizer=optimizer_of(args), repeats=args.repeats,
                                 warmup=args.warmup)
+        if not shape:
+            profile.inputs_s, profile.targets_s = time_batching(dataset, args.batch_size)
     if args.setup:
         kernel = model_step(model, tuple(batch), loss_fn) if loss_fn is not None else None
         profile.setup = measure_setup(args.setup, threads, kernel, ring_bytes=profile.parameter_bytes)
@@ -140,6 +142,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
     backward = sum(x.backward_s for x in profile.layers)
     print(f"profiled {len(profile)} layers of {profile.model} at batch {profile.batch_size} on {profile.device}: "
           f"{forward:.4g} s forward, {backward:.4g} s backward per minibatch")
+    if profile.inputs_s or profile.targets_s:
+        print(f"building a minibatch from {args.data}: {profile.inputs_s * 1e3:.3f} ms its inputs, "
+              f"{profile.targets_s * 1e3:.3f} ms its targets")
     print(f"wrote {args.output}")
 
 

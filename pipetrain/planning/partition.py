@@ -185,7 +185,7 @@ def _one_stage(profile: Profile, workers: int, topo: Topology, allreduce: str) -
     as :func:`_solve` prices a stage (memory not checked)."""
     terms = _Terms.of(profile.setup)
     bw = topo.intra_bandwidth if workers <= topo.workers_per_server else topo.inter_bandwidth
-    work = stage_work_s(sum(x.compute_s + x.optimizer_s for x in profile.layers), 0.0, 0.0, 0.0, terms.slowdown)
+    work = stage_work_s(sum(profile.work_s()), 0.0, 0.0, 0.0, terms.slowdown)
     params = float(profile.parameter_bytes)
     return StagePlan(0, len(profile) - 1, workers, float(terms.stage_s(work, params, workers, bw, allreduce)), 0.0)
 
@@ -209,7 +209,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
     N = len(profile)
     layers = profile.layers
     zero = np.zeros(1)
-    compute = np.concatenate([zero, np.cumsum([x.compute_s + x.optimizer_s for x in layers])])
+    compute = np.concatenate([zero, np.cumsum(profile.work_s())])
     params = np.concatenate([zero, np.cumsum([float(x.parameter_bytes) for x in layers])])
     acts = np.concatenate([zero, np.cumsum([float(x.activation_bytes) for x in layers])])
     # cut[j]: bytes crossing the boundary before layer j; nothing crosses after the last layer.
