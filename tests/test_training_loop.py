@@ -181,5 +181,7 @@ def test_cli_trains_with_evaluation_and_plots_the_log(tmp_path: Path) -> None:
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "epoch 1: held-out loss" in r.stderr + r.stdout
+    final = r.stdout.split("final loss ")[1].split()[0]
+    assert f"loss={final}]" in r.stderr  # the bar ends on the last update's loss (its postfix waits for a redraw)
     r = subprocess.run([*cmd, "plot", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "metrics.png").stat().st_size > 10_000, r.stderr

@@ -461,7 +461,10 @@ def _train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> dict[
     # the bar's rank records its own minibatches: every one (data parallel), or 1 in r (one of the r
     # replicas of the output stage; the bar ended at 25% on 4 replicas)
     per_record = 1 if cfg.data_parallel else cfg.replicas[-1]
-    on_step = (lambda rec: bar.update(per_record) or bar.set_postfix(loss=f"{rec.loss:.4f}")) if bar else None
+    # the postfix waits for the bar's next redraw (tqdm's mininterval): redrawing it after every minibatch
+    # took 0.08 ms of a 1.1 ms minibatch of the example MLP
+    on_step = (lambda rec: bar.set_postfix(loss=f"{rec.loss:.4f}", refresh=False) or bar.update(per_record)) \
+        if bar else None
     for epoch in range(start, cfg.epochs):
         batches = epoch_order(n_items, cfg.batch_size, epoch, cfg.shuffle, cfg.seed, cfg.rounds)
         try:
