@@ -55,6 +55,7 @@ from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_
     torch_pipeline
 from pipetrain.errors import first_line
 from pipetrain.planning.choose import CANDIDATES, COMPRESSED, Choice, choose_strategy
+from pipetrain.profiling import time_batching
 from pipetrain.runsetup import Launcher, measure_setup, median_seconds, model_step, torch_threads
 
 PIPE_SGD = {"pipe-sgd": None, "pipe-sgd-trunc16": "trunc16", "pipe-sgd-quant8": "quant8"}
@@ -268,11 +269,15 @@ AUTO_WITHIN = 0.10
 def _choose(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: float | None,
             log: Callable[[str], None]) -> Choice:
     """What ``strategy="auto"`` picks for this run, from the inputs it has when it starts: the model
-    profiled here on the first minibatch (the workers' thread count and SGD), the run set-up measured on
+    profiled here on the first minibatch (the workers' thread count and SGD), building that minibatch
+    from the dataset timed (:func:`pipetrain.profiling.time_batching`), the run set-up measured on
     the same hosts (:func:`pipetrain.runsetup.measure_setup`, one training step of a worker's shard as
     the shared work) and the link at its measured rate (one machine on loopback). Every candidate a run
     system measures is predicted, codecs included (``allow_compression``)."""
     profile = _profile(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))
+    with torch_threads(cfg.threads):  # as pipetrain's workers build their minibatches from the dataset
+        profile.inputs_s, profile.targets_s = time_batching(peer.spec.dataset(cfg.batch_size, seed=peer.seed + 1),
+                                                            cfg.batch_size)
     shard = peer.spec.dataset(cfg.batch_size // cfg.workers, seed=peer.seed + 1)[:]
     profile.setup = measure_setup(cfg.workers, cfg.threads, model_step(peer.build(), tuple(shard), peer.spec.loss_fn),
                                   launch=launch, ring_bytes=profile.parameter_bytes)
