@@ -414,6 +414,7 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
             updates = [costs.contended_s(c.update_s, profile.setup.slowdown) for c in per_stage]
         profile = _shard_priced(profile, stage_costs(profile, [0], batch_size)[0], schedule.microbatches,
                                 batch_size)[0]
+        per_stage = stage_costs(profile, boundaries, batch_size)  # its building keeps the set-up's slowdown
     sim = _run(schedule, per_stage, link, updates, sync_s, profile.setup)
     makespan = max(sim.clock, default=0.0)
     busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]

@@ -378,6 +378,11 @@ def test_a_one_stage_pipeline_computes_as_long_as_the_setups_step_at_the_whole_m
 
     assert rate(32) == pytest.approx(32 / (70 * MS))
     assert rate(16) == pytest.approx(32 / (92 * MS))
+    # building a minibatch (3 ms of inputs, 1 ms of targets) is not the step: it keeps the slowdown, 2 x 4 ms
+    measured = setup(cores=8, slowdown=2.0, step_s=66 * MS, step_rows=32)
+    built = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured, inputs_s=3 * MS,
+                    targets_s=1 * MS)
+    assert simulate(build_schedule("pipedream", [1], 6), built, [0]).samples_per_s == pytest.approx(32 / (78 * MS))
 
 
 def test_a_one_stage_schedule_of_microbatches_computes_as_long_as_the_setups_step_at_a_microbatch():
