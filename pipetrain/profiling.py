@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
 from pipetrain.layers import LayeredModel
 from pipetrain.runsetup import Setup
+from pipetrain.runtime.worker import collate_part
 
 FORMAT, VERSION = "pipetrain-profile", 1
 
@@ -90,13 +90,15 @@ class Profile:
         """Bytes of every layer's parameters: the gradient a data-parallel step allreduces."""
         return sum(layer.parameter_bytes for layer in self.layers)
 
+    def building_s(self, first: int, end: int) -> float:
+        """Seconds the stage of layers ``first`` .. ``end - 1`` spends building a minibatch: its inputs
+        if it holds the first layer, its targets if it holds the last."""
+        return (self.inputs_s if first == 0 else 0.0) + (self.targets_s if end == len(self.layers) else 0.0)
+
     def work_s(self) -> list[float]:
         """Each layer's seconds per minibatch on its stage: forward, backward and optimizer step, with
-        building the minibatch's inputs on the first layer and its targets on the last."""
-        work = [layer.compute_s + layer.optimizer_s for layer in self.layers]
-        work[0] += self.inputs_s
-        work[-1] += self.targets_s
-        return work
+        building the minibatch (:meth:`building_s`)."""
+        return [layer.compute_s + layer.optimizer_s + self.building_s(k, k + 1) for k, layer in enumerate(self.layers)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "device": self.device,
@@ -333,15 +335,15 @@ def as_minibatch(micro: Profile, m: int) -> Profile:
 
 def time_batching(dataset: Any, rows: int, repeats: int = 3) -> tuple[float, float]:
     """Seconds to build a minibatch of the first ``rows`` items' inputs, and of their targets, from
-    ``dataset`` (of ``(input, target)`` pairs), each as a worker builds it: every item fetched and that
-    part collated (the runtime's first stage builds the inputs, its last the targets). Medians of
-    ``repeats`` runs after one untimed."""
+    ``dataset`` (of ``(input, target)`` pairs), each as a worker builds it
+    (:func:`pipetrain.runtime.worker.collate_part`; its first stage builds the inputs, its last the
+    targets). Medians of ``repeats`` runs after one untimed."""
     items = range(min(rows, len(dataset)))
     times: list[list[float]] = [[], []]
     for _ in range(repeats + 1):
         for part in (0, 1):
             start = time.perf_counter()
-            default_collate([dataset[i][part] for i in items])
+            collate_part(dataset, items, part)
             times[part].append(time.perf_counter() - start)
     return statistics.median(times[0][1:]), statistics.median(times[1][1:])
 

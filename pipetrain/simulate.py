@@ -152,8 +152,7 @@ def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | N
             output_bytes=scale * layers[-1].activation_bytes,
             stash_bytes=scale * (inputs + sum(x.activation_bytes for x in layers)),
             parameter_bytes=sum(x.parameter_bytes for x in layers), update_s=sum(x.optimizer_s for x in layers),
-            batching_s=scale * ((profile.inputs_s if first == 0 else 0.0) +
-                                (profile.targets_s if end == len(profile) else 0.0))))
+            batching_s=scale * profile.building_s(first, end)))
     return stages
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from pipetrain.errors import one_line
 from pipetrain.layers import LayeredModel, check_boundaries
@@ -26,7 +26,7 @@ from pipetrain.runtime.launch import keep_freed_memory, loopback_store
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import (
-    NonFiniteLoss, StepRecord, Worker, append_json, epoch_order, per_epoch, to_device,
+    NonFiniteLoss, StepRecord, Worker, append_json, collate_part, epoch_order, per_epoch, to_device,
 )
 from pipetrain.schedule import Schedule, evaluation, warmup
 from pipetrain.strategies.base import GradSync, SyncContext
@@ -132,7 +132,7 @@ class JobConfig:
         what ``torch.export`` captures a model that fx cannot trace on, for the shapes a stage sees
         (:class:`pipetrain.layers.LayeredModel`)."""
         n = min(self.batch_size // self.microbatches, len(self.dataset))  # type: ignore[arg-type]
-        return default_collate([self.dataset[i][0] for i in range(n)])
+        return collate_part(self.dataset, range(n), 0)
 
     @property
     def spec(self) -> StrategySpec:

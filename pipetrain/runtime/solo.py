@@ -22,12 +22,11 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
 from pipetrain.layers import LayeredModel, flatten, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
 from pipetrain.runtime.transport import Message
-from pipetrain.runtime.worker import epoch_order, microbatch, per_epoch, to_device
+from pipetrain.runtime.worker import collate_part, epoch_order, microbatch, per_epoch, to_device
 from pipetrain.runsetup import torch_threads
 from pipetrain.schedule import Schedule
 from pipetrain.schedule.actions import FORWARD, SYNC, UPDATE
@@ -148,7 +147,8 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
     model.eval().to(device)
     try:
         micro = 0 if m > 1 else None
-        x, target = (microbatch(to_device(_collate(cfg, items, part), device), micro, m) for part in (0, 1))
+        x, target = (microbatch(to_device(collate_part(cfg.dataset, items, part), device), micro, m)
+                     for part in (0, 1))
         parts = list(LayeredModel(model).stages(cfg.boundaries))
         with torch.no_grad():
             for part in parts[:stage]:
@@ -172,7 +172,3 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
         model.cpu()
     return activations, gradients
 
-
-def _collate(cfg: JobConfig, items: list[int], part: int) -> Any:
-    """The inputs (part 0) or targets (part 1) of the dataset's ``items``, collated as a worker does."""
-    return default_collate([cfg.dataset[j][part] for j in items])

@@ -5,7 +5,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,12 @@ def epoch_order(n_items: int, batch_size: int, epoch: int, shuffle: bool, seed: 
 def per_epoch(n_items: int, batch_size: int, multiple: int) -> int:
     """Minibatches in an epoch: whole minibatches only, in whole rounds of ``multiple``."""
     return n_items // batch_size // multiple * multiple
+
+
+def collate_part(dataset: Any, items: Sequence[int], part: int) -> Any:
+    """The inputs (part 0) or targets (part 1) of ``dataset``'s ``items``, as a worker builds them: every
+    item fetched, that part of each collated."""
+    return default_collate([dataset[j][part] for j in items])
 
 
 def microbatch(value: Any, micro: int | None, m: int) -> Any:
@@ -246,7 +252,7 @@ class Worker:
             i, r = self.shard
             size = len(items) // r
             with self._blame(f"collating the dataset's items into minibatch {mb}"):
-                value = default_collate([self.dataset[j][part] for j in items[i * size:(i + 1) * size]])
+                value = collate_part(self.dataset, items[i * size:(i + 1) * size], part)
             shapes = _shapes(value)
             first = self._shapes.setdefault(part, shapes)
             if shapes != first:
