@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from pipetrain.errors import one_line
 from pipetrain.layers import LayerError, LayeredModel
@@ -25,7 +25,7 @@ from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
 from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
-from pipetrain.runtime.worker import per_epoch
+from pipetrain.runtime.worker import collate_parts, per_epoch
 from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.simulate import Link
 
@@ -436,13 +436,13 @@ def _measured_profile(model: nn.Module, dataset: Dataset, loss_fn: Callable[[Any
     ``ring_cpu`` is False (only pipe-sgd is priced with it), except under torchrun, whose workers
     this process does not start."""
     def first(rows: int) -> Any:
-        return default_collate([dataset[i] for i in range(min(rows, len(dataset)))])  # type: ignore[arg-type]
+        return collate_parts(dataset, range(min(rows, len(dataset))), (0, 1))  # type: ignore[arg-type]
 
     batch = first(batch_size)
     try:
         with torch_threads(threads):
             measured = profile_model(model, tuple(batch), loss_fn, optimizer=optimizer, repeats=5, warmup=2)
-            measured.inputs_s, measured.targets_s = time_batching(dataset, batch_size)
+            measured.inputs_s, measured.targets_s, measured.both_s = time_batching(dataset, batch_size)
     except LayerError:
         raise
     except Exception as e:  # the user's model, loss or optimizer on the user's data: say where it failed

@@ -14,7 +14,7 @@ JSON form (``version`` 1)::
      "batch_size": 32, "input_bytes": 8192,
      "layers": [{"name": "0", "forward_s": 0.001, "backward_s": 0.002,
                  "activation_bytes": 4096, "parameter_bytes": 1024, "optimizer_s": 0.0001}, ...],
-     "inputs_s": 0.0002, "targets_s": 0.0001,   (optional)
+     "inputs_s": 0.0002, "targets_s": 0.0001, "both_s": 0.00025,   (optional)
      "setup": {...}}   (optional; see pipetrain.runsetup.Setup)
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import nn
 
 from pipetrain.layers import LayeredModel
 from pipetrain.runsetup import Setup
-from pipetrain.runtime.worker import collate_part
+from pipetrain.runtime.worker import collate_parts
 
 FORMAT, VERSION = "pipetrain-profile", 1
 
@@ -69,7 +69,9 @@ class Profile:
 
     ``inputs_s`` and ``targets_s``: seconds one worker takes to build a minibatch's inputs (its
     targets) from the dataset, each item fetched and its part collated, as the runtime's first (last)
-    stage does once per minibatch (:func:`time_batching`); 0 when not measured.
+    stage does once per minibatch; ``both_s``: both at once, each item fetched once, as a worker that
+    is the first and the last stage builds them (:func:`time_batching`); 0 when not measured (a
+    profile saved before ``both_s`` was: the other two added up stand in).
     """
 
     layers: list[LayerProfile]
@@ -81,6 +83,7 @@ class Profile:
     setup: Setup | None = None
     inputs_s: float = 0.0
     targets_s: float = 0.0
+    both_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -92,8 +95,15 @@ class Profile:
 
     def building_s(self, first: int, end: int) -> float:
         """Seconds the stage of layers ``first`` .. ``end - 1`` spends building a minibatch: its inputs
-        if it holds the first layer, its targets if it holds the last."""
+        if it holds the first layer, its targets if it holds the last, both at once if it holds all."""
+        if first == 0 and end == len(self.layers) and self.both_s > 0:
+            return self.both_s
         return (self.inputs_s if first == 0 else 0.0) + (self.targets_s if end == len(self.layers) else 0.0)
+
+    def building_scaled(self, factor: float) -> Profile:
+        """This profile with every time of building a minibatch (:meth:`building_s`) ``factor`` times its own."""
+        return replace(self, inputs_s=self.inputs_s * factor, targets_s=self.targets_s * factor,
+                       both_s=self.both_s * factor)
 
     def work_s(self) -> list[float]:
         """Each layer's seconds per minibatch on its stage: forward, backward and optimizer step, with
@@ -104,7 +114,8 @@ class Profile:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "device": self.device,
                 "batch_size": self.batch_size, "input_bytes": self.input_bytes, "meta": self.meta,
                 "layers": [asdict(layer) for layer in self.layers],
-                **({"inputs_s": self.inputs_s, "targets_s": self.targets_s} if self.inputs_s or self.targets_s else {}),
+                **({"inputs_s": self.inputs_s, "targets_s": self.targets_s, "both_s": self.both_s}
+                   if self.inputs_s or self.targets_s or self.both_s else {}),
                 **({"setup": asdict(self.setup)} if self.setup is not None else {})}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -186,7 +197,7 @@ class Profile:
             return Profile(entries, _field(data, "batch_size", "profile", int), _field(data, "device", "profile", str),
                            str(data.get("model", "")), _field(data, "input_bytes", "profile", int, 0), meta,
                            None if setup is None else Setup.from_dict(setup, _field),
-                           _field(data, "inputs_s", "profile", float, 0.0), _field(data, "targets_s", "profile", float, 0.0))
+                           *(_field(data, name, "profile", float, 0.0) for name in ("inputs_s", "targets_s", "both_s")))
         except ValueError as e:
             raise ProfileError(f"{source}: malformed {e}; regenerate it with `pipetrain profile`") from None
 
@@ -328,24 +339,27 @@ def as_minibatch(micro: Profile, m: int) -> Profile:
     same at every batch (a 64-row matmul took about 25% more per row than a 256-row one)."""
     layers = [replace(x, forward_s=x.forward_s * m, backward_s=x.backward_s * m, activation_bytes=x.activation_bytes * m)
               for x in micro.layers]
-    return Profile(layers, micro.batch_size * m, micro.device, micro.model, micro.input_bytes * m,
-                   {**micro.meta, "measured_at_batch": micro.batch_size, "microbatches": m}, setup=micro.setup,
-                   inputs_s=micro.inputs_s * m, targets_s=micro.targets_s * m)
+    return replace(micro.building_scaled(m), layers=layers, batch_size=micro.batch_size * m,
+                   input_bytes=micro.input_bytes * m,
+                   meta={**micro.meta, "measured_at_batch": micro.batch_size, "microbatches": m})
 
 
-def time_batching(dataset: Any, rows: int, repeats: int = 3) -> tuple[float, float]:
-    """Seconds to build a minibatch of the first ``rows`` items' inputs, and of their targets, from
-    ``dataset`` (of ``(input, target)`` pairs), each as a worker builds it
-    (:func:`pipetrain.runtime.worker.collate_part`; its first stage builds the inputs, its last the
-    targets). Medians of ``repeats`` runs after one untimed."""
+def time_batching(dataset: Any, rows: int, repeats: int = 3) -> tuple[float, float, float]:
+    """Seconds to build a minibatch of the first ``rows`` items' inputs, of their targets, and of both at
+    once, from ``dataset`` (of ``(input, target)`` pairs), each as a worker builds it
+    (:func:`pipetrain.runtime.worker.collate_parts`; its first stage builds the inputs, its last the
+    targets, a worker that is both builds both). Medians of ``repeats`` runs after one untimed, the
+    three interleaved so that each sees the same phases of the machine."""
     items = range(min(rows, len(dataset)))
-    times: list[list[float]] = [[], []]
+    kinds = ((0,), (1,), (0, 1))
+    times: list[list[float]] = [[] for _ in kinds]
     for _ in range(repeats + 1):
-        for part in (0, 1):
+        for k, parts in enumerate(kinds):
             start = time.perf_counter()
-            collate_part(dataset, items, part)
-            times[part].append(time.perf_counter() - start)
-    return statistics.median(times[0][1:]), statistics.median(times[1][1:])
+            collate_parts(dataset, items, parts)
+            times[k].append(time.perf_counter() - start)
+    inputs_s, targets_s, both_s = (statistics.median(t[1:]) for t in times)
+    return inputs_s, targets_s, both_s
 
 
 def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any], torch.Tensor] | None,

@@ -8,8 +8,8 @@ format and :mod:`pipetrain.trace` draws both.
 * ``F``/``B`` last the stage's forward/backward seconds (sum over its layers), divided by the
   microbatch count for microbatched schedules, and taken at 1/r of the batch on each of r workers of
   a sharded (data-parallel) schedule; a minibatch's first ``F`` on the first stage also builds its
-  inputs from the dataset, on the last stage its targets (the profile's ``inputs_s``, ``targets_s``),
-  as the runtime's workers do;
+  inputs from the dataset, on the last stage its targets, on a stage that is both both at once (the
+  profile's ``inputs_s``, ``targets_s``, ``both_s``), as the runtime's workers do;
 * a send (``SF``/``SB``) is asynchronous: 0 s on the sender. The transfer is queued FIFO on the
   (sender -> receiver) link, which carries one transfer at a time, each occupying it for
   ``latency + bytes / bandwidth``;
@@ -104,7 +104,7 @@ class StageCost:
         parameter_bytes: the stage's weights.
         update_s: the optimizer step on them (the profile's ``optimizer_s``; 0 if not measured).
         batching_s: building the minibatch from the dataset before its first forward: the inputs on
-            the first stage, the targets on the last (the profile's ``inputs_s`` and ``targets_s``).
+            the first stage, the targets on the last (:meth:`pipetrain.profiling.Profile.building_s`).
     """
 
     forward_s: float
@@ -683,7 +683,7 @@ def _shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: 
     stage) split ``workers`` ways (a data-parallel worker's shard; a schedule's microbatches; 1: a
     worker that trains on whole minibatches, as a one-stage pipeline's replicas do). Unchanged without
     a step of those rows (slowdown 1 without a set-up). Building a minibatch from the dataset is not
-    part of the step: the profile's ``inputs_s`` and ``targets_s`` are rescaled so that the new slowdown
+    part of the step: the profile's times of building it are rescaled so that the new slowdown
     prices them at the set-up's own.
 
     Ours: a CPU runs a smaller batch less well, and a layer profile taken in a few seconds of one
@@ -701,8 +701,7 @@ def _shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: 
         return profile, setup.slowdown
     slowdown = setup.step_s / share
     keep = setup.slowdown / slowdown  # building a minibatch is not the step: it keeps the set-up's slowdown
-    return replace(profile, setup=replace(setup, slowdown=slowdown), inputs_s=profile.inputs_s * keep,
-                   targets_s=profile.targets_s * keep), slowdown
+    return replace(profile.building_scaled(keep), setup=replace(setup, slowdown=slowdown)), slowdown
 
 
 def _shard_backward_s(profile: Profile, whole: StageCost, workers: int, slowdown: float) -> list[float]:

@@ -383,6 +383,9 @@ def test_a_one_stage_pipeline_computes_as_long_as_the_setups_step_at_the_whole_m
     built = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured, inputs_s=3 * MS,
                     targets_s=1 * MS)
     assert simulate(build_schedule("pipedream", [1], 6), built, [0]).samples_per_s == pytest.approx(32 / (78 * MS))
+    # building both at once (one fetch per item) timed at 2.5 ms: a worker that is every stage takes that, 2 x 2.5
+    once = dataclasses.replace(built, both_s=2.5 * MS)
+    assert simulate(build_schedule("pipedream", [1], 6), once, [0]).samples_per_s == pytest.approx(32 / (75 * MS))
 
 
 def test_a_one_stage_schedule_of_microbatches_computes_as_long_as_the_setups_step_at_a_microbatch():

@@ -113,21 +113,29 @@ def test_json_round_trip(tmp_path):
 
 
 def test_building_a_minibatch_round_trips_scales_with_microbatches_and_must_be_a_time(tmp_path):
-    profile = Profile([LayerProfile("a", 0.1, 0.2, 64, 32)], 16, "cpu", "M", 128, inputs_s=0.003, targets_s=0.001)
+    profile = Profile([LayerProfile("a", 0.1, 0.2, 64, 32)], 16, "cpu", "M", 128, inputs_s=0.003, targets_s=0.001,
+                      both_s=0.0035)
     path = tmp_path / "p.json"
     profile.save(path)
     assert Profile.load(path) == profile
     four = as_minibatch(profile, 4)
-    assert (four.inputs_s, four.targets_s) == (pytest.approx(0.012), pytest.approx(0.004))
+    assert (four.inputs_s, four.targets_s, four.both_s) == (pytest.approx(0.012), pytest.approx(0.004),
+                                                            pytest.approx(0.014))
+    assert (four.batch_size, four.meta["microbatches"], four.layers[0].forward_s) == (64, 4, pytest.approx(0.4))
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "inputs_s": -1}))
     with pytest.raises(ProfileError, match="'inputs_s' is -1, not a finite number >= 0"):
         Profile.load(path)
+    del data["both_s"]  # a profile saved before both_s: the two parts added up stand in
+    path.write_text(json.dumps(data))
+    assert Profile.load(path).building_s(0, 1) == pytest.approx(0.004)
+    assert profile.building_s(0, 1) == 0.0035
 
 
 def test_building_a_minibatch_is_timed_as_a_worker_builds_it():
     """Each part fetches every item (a worker building inputs or targets indexes the dataset itself)
-    and collates that part: 3 items that each take at least 2 ms to fetch take 6 ms or more per part."""
+    and collates that part, and building both fetches every item once: 3 items that each take at least
+    2 ms to fetch take 6 ms or more each way."""
     fetched: list[int] = []
 
     class Slow(torch.utils.data.Dataset):
@@ -139,9 +147,9 @@ def test_building_a_minibatch_is_timed_as_a_worker_builds_it():
             time.sleep(0.002)
             return torch.full((2,), float(i)), torch.tensor(i)
 
-    inputs_s, targets_s = time_batching(Slow(), 3, repeats=2)
-    assert inputs_s >= 0.006 and targets_s >= 0.006
-    assert fetched == [0, 1, 2] * 6  # one untimed run and 2 timed, each part fetching every item
+    inputs_s, targets_s, both_s = time_batching(Slow(), 3, repeats=2)
+    assert inputs_s >= 0.006 and targets_s >= 0.006 and both_s >= 0.006
+    assert fetched == [0, 1, 2] * 9  # one untimed run and 2 timed, each of the three fetching every item once
 
 
 def mlp():

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate
 
 from pipetrain.runtime.job import JobConfig
 from pipetrain.runtime.solo import run_stage_alone
+from pipetrain.runtime.worker import collate_parts
 from pipetrain.schedule import Action
 from pt_models import Residual
 
@@ -89,3 +90,56 @@ def test_threads_restored_and_bad_requests_refused():
         run_stage_alone(cfg, 0, 7)
     with pytest.raises(ValueError, match="not resolved"):
         run_stage_alone(job(schedule="pipedream", boundaries=None), 0)
+
+
+class Counted(torch.utils.data.Dataset):
+    """(inputs, class) items that count every fetch; with ``batched``, also a ``__getitems__`` that
+    counts its calls (the batched fetch ``DataLoader`` uses)."""
+
+    def __init__(self, n: int, batched: bool = False) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g)
+        self.fetched: list[int] = []
+        self.batched_calls = 0
+        if batched:
+            self.__getitems__ = self._getitems
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        self.fetched.append(i)
+        return self.x[i], self.y[i]
+
+    def _getitems(self, items: list[int]) -> list:
+        self.batched_calls += 1
+        return [self[i] for i in items]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_worker_that_builds_inputs_and_targets_fetches_each_item_once(batched):
+    """One stage (every layer on one worker, as data parallelism too) builds a minibatch's inputs and
+    targets from one fetch of each item; a pipeline's first and last stages fetch for their own part."""
+    data = Counted(BATCH * MINIBATCHES, batched)
+    cfg = JobConfig(model=tiny(), dataset=data, loss_fn=nn.functional.cross_entropy,
+                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=BATCH, shuffle=False,
+                    boundaries=[0])
+    pipeline = JobConfig(**{**cfg.__dict__, "boundaries": [0, 2], "replicas": None})
+    for job_, stage in ((cfg, 0), (pipeline, 0), (pipeline, 1)):
+        data.fetched.clear()
+        data.batched_calls = 0
+        run_stage_alone(job_, stage, 4)
+        # checking the job and sampling its first minibatch fetch items of that minibatch first
+        assert data.fetched[-4 * BATCH:] == list(range(4 * BATCH))
+        assert data.batched_calls >= (4 if batched else 0)
+
+
+def test_a_tensor_datasets_minibatch_is_what_default_collate_builds():
+    g = torch.Generator().manual_seed(4)
+    data = TensorDataset(torch.randn(10, 3, 2, generator=g), torch.randint(5, (10,), generator=g))
+    items = [7, 2, 2, 9]
+    inputs, targets = collate_parts(data, items, (0, 1))
+    expected = default_collate([data[i] for i in items])
+    for got, want in zip((inputs, targets), expected):
+        assert got.dtype == want.dtype and torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(collate_parts(data, range(3), (1,))[0], data.tensors[1][:3])

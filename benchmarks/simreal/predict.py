@@ -70,7 +70,7 @@ def profile_at(model: nn.Module, data: TensorDataset, batch: int, repeats: int) 
     x, y = data.tensors[0][:batch], data.tensors[1][:batch]
     profile = pipetrain.profile(model, (x, y), F.cross_entropy, optimizer=functools.partial(torch.optim.SGD, lr=LR),
                                 repeats=repeats, warmup=3)
-    profile.inputs_s, profile.targets_s = time_batching(data, batch, repeats)
+    profile.inputs_s, profile.targets_s, profile.both_s = time_batching(data, batch, repeats)
     return profile
 
 

@@ -6,9 +6,9 @@ import json
 import math
 import os
 import re
+from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
 from pipetrain.cli.common import add_optimizer_options, call_factory, load_loss, optimizer_of, parse_stages
 from pipetrain.layers import split_points
@@ -18,6 +18,7 @@ from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
 from pipetrain.runsetup import measure_setup, model_step, torch_threads
+from pipetrain.runtime.worker import collate_parts
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
@@ -117,18 +118,19 @@ def cmd_profile(args: argparse.Namespace) -> None:
     shape = _shape(args.input_shape) if args.input_shape else None
     model = call_factory(args.model, "model")
     if shape:
-        batch, loss_fn = torch.randn(args.batch_size, *shape), None
+        batch: Any = torch.randn(args.batch_size, *shape)
+        loss_fn = None
     else:
         dataset = call_factory(args.data, "data")
         if len(dataset) < args.batch_size:
             raise ValueError(f"{args.data} has {len(dataset)} items, fewer than --batch-size {args.batch_size}")
-        batch, loss_fn = default_collate([dataset[i] for i in range(args.batch_size)]), load_loss(args.loss)
+        batch, loss_fn = collate_parts(dataset, range(args.batch_size), (0, 1)), load_loss(args.loss)
     threads = args.threads or max(1, (os.cpu_count() or 1) // (args.setup or 1))
     with torch_threads(threads):
         profile = profile_model(model, batch, loss_fn, optimizer=optimizer_of(args), repeats=args.repeats,
                                 warmup=args.warmup)
         if not shape:
-            profile.inputs_s, profile.targets_s = time_batching(dataset, args.batch_size)
+            profile.inputs_s, profile.targets_s, profile.both_s = time_batching(dataset, args.batch_size)
     if args.setup:
         kernel = model_step(model, tuple(batch), loss_fn) if loss_fn is not None else None
         profile.setup = measure_setup(args.setup, threads, kernel, ring_bytes=profile.parameter_bytes)
@@ -144,7 +146,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
           f"{forward:.4g} s forward, {backward:.4g} s backward per minibatch")
     if profile.inputs_s or profile.targets_s:
         print(f"building a minibatch from {args.data}: {profile.inputs_s * 1e3:.3f} ms its inputs, "
-              f"{profile.targets_s * 1e3:.3f} ms its targets")
+              f"{profile.targets_s * 1e3:.3f} ms its targets, {profile.both_s * 1e3:.3f} ms both at once")
     print(f"wrote {args.output}")
 
 

@@ -26,7 +26,7 @@ from pipetrain.runtime.launch import keep_freed_memory, loopback_store
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import (
-    NonFiniteLoss, StepRecord, Worker, append_json, collate_part, epoch_order, per_epoch, to_device,
+    NonFiniteLoss, StepRecord, Worker, append_json, collate_parts, epoch_order, per_epoch, to_device,
 )
 from pipetrain.schedule import Schedule, evaluation, warmup
 from pipetrain.strategies.base import GradSync, SyncContext
@@ -132,7 +132,7 @@ class JobConfig:
         what ``torch.export`` captures a model that fx cannot trace on, for the shapes a stage sees
         (:class:`pipetrain.layers.LayeredModel`)."""
         n = min(self.batch_size // self.microbatches, len(self.dataset))  # type: ignore[arg-type]
-        return collate_part(self.dataset, range(n), 0)
+        return collate_parts(self.dataset, range(n), (0,))[0]
 
     @property
     def spec(self) -> StrategySpec:

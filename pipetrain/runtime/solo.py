@@ -26,7 +26,7 @@ import torch
 from pipetrain.layers import LayeredModel, flatten, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
 from pipetrain.runtime.transport import Message
-from pipetrain.runtime.worker import collate_part, epoch_order, microbatch, per_epoch, to_device
+from pipetrain.runtime.worker import collate_parts, epoch_order, microbatch, per_epoch, to_device
 from pipetrain.runsetup import torch_threads
 from pipetrain.schedule import Schedule
 from pipetrain.schedule.actions import FORWARD, SYNC, UPDATE
@@ -147,8 +147,7 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
     model.eval().to(device)
     try:
         micro = 0 if m > 1 else None
-        x, target = (microbatch(to_device(collate_part(cfg.dataset, items, part), device), micro, m)
-                     for part in (0, 1))
+        x, target = (microbatch(to_device(value, device), micro, m) for value in collate_parts(cfg.dataset, items, (0, 1)))
         parts = list(LayeredModel(model).stages(cfg.boundaries))
         with torch.no_grad():
             for part in parts[:stage]:
