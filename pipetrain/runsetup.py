@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipetrain import costs
+from pipetrain.strategies.allreduce import BUCKET_BYTES
 from pipetrain.strategies.compression import CODECS, Codec
 
 MESSAGE_SIZES = (4096, 1 << 20)
@@ -65,6 +66,10 @@ class Setup:
             and CGDP's signals use): a 1-element ``all_reduce`` among all the workers arriving
             staggered, from the last rank's call, over its 2(p-1) steps (:func:`_allreduce_at_sync`); 0
             when not measured.
+        allreduce_s_per_byte, allreduce_bytes: β of the same allreduce, from the same probe of a
+            gradient of ``allreduce_bytes`` (the job's, at most a replicated stage's bucket) beside the
+            1-element one (the line through the two: 2(p-1) α + 2(p-1)/p n β); 0 when not measured
+            (the measured ring's β stands in).
         jitter_s: how much a worker's compute time varies with all ``workers`` computing at once, as a
             variance per second of compute: work of d seconds takes d ± sqrt(``jitter_s`` d) (one
             standard deviation; :func:`_jitter`); 0 when not measured.
@@ -107,6 +112,8 @@ class Setup:
     ring_latency_s: float = 0.0
     ring_s_per_byte: float = 0.0
     allreduce_latency_s: float = 0.0
+    allreduce_s_per_byte: float = 0.0
+    allreduce_bytes: int = 0
     jitter_s: float = 0.0
     allreduce_cpu_s: float = 0.0
     ring_cpu_s: float = 0.0
@@ -130,14 +137,16 @@ class Setup:
 
     def allreduce_terms(self, ours: bool, idle: bool = False) -> tuple[float, float]:
         """(α, β) of a gradient allreduce among the workers: ``ours`` our ring's
-        (:mod:`pipetrain.strategies.ring`, pipe-sgd's), else the backend's ``all_reduce``; both move
-        bytes at the measured ring's rate. ``idle``: our ring's with nothing else running, where it was
-        measured. In a set-up without them, a message's latency and seconds per byte stand in."""
+        (:mod:`pipetrain.strategies.ring`, pipe-sgd's), else the backend's ``all_reduce``, each as
+        measured. ``idle``: our ring's with nothing else running, where it was measured. In a set-up
+        without them, the measured ring's β stands in for the backend's, and a message's latency and
+        seconds per byte for the ring's."""
         if ours and idle and self.idle_ring_latency_s + self.idle_ring_s_per_byte > 0:
             return self.idle_ring_latency_s, self.idle_ring_s_per_byte
         latency = self.ring_latency_s if ours else self.allreduce_latency_s
+        ring_per_byte = self.ring_s_per_byte if self.ring_s_per_byte > 0 else self.s_per_byte
         return (latency if latency > 0 else self.latency_s,
-                self.ring_s_per_byte if self.ring_s_per_byte > 0 else self.s_per_byte)
+                self.allreduce_s_per_byte if not ours and self.allreduce_s_per_byte > 0 else ring_per_byte)
 
     def message_cpu(self, nbytes: float) -> float:
         """CPU seconds one message of ``nbytes`` costs one of its ends."""
@@ -224,7 +233,8 @@ class Setup:
                 f"{1e6 * self.idle_latency_s:.0f}) + {1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
                 f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B (idle "
                 f"{1e6 * self.idle_ring_latency_s:.0f} us + {1e9 * self.idle_ring_s_per_byte:.2f} ns/B), "
-                f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step and "
+                f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step + "
+                f"{1e9 * self.allreduce_s_per_byte:.2f} ns/B (at {self.allreduce_bytes} B) and "
                 f"{1e6 * self.allreduce_cpu_s:.0f} us of CPU, ring CPU {1e6 * self.ring_cpu_s:.0f} us per step + "
                 f"{1e9 * self.ring_cpu_s_per_byte:.2f} ns/B"
                 + "".join(f", {name} ring {1e3 * s:.1f} ms of CPU" for name, s in self.codec_ring_cpu_s.items())
@@ -284,8 +294,9 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     sizes = (RING_BYTES[1], big) if ring_bytes is None else (big // 4, big)
     codec_bytes = big if big == ring_bytes and ring_cpu else 0  # where a job's gradient can match it
     shared = workers >= 2 and workers * threads > (os.cpu_count() or 1)
+    allreduce_bytes = min(BUCKET_BYTES, ring_bytes or BUCKET_BYTES)
     results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, settle_s,
-                           sizes if ring_cpu else None, codec_bytes, shared),
+                           sizes if ring_cpu else None, codec_bytes, shared, allreduce_bytes),
                   max(2, workers))
     return Setup(**results[0])
 
@@ -390,11 +401,12 @@ def _compute_rounds(workers: int, threads: int, kernel: Callable[[], Any], secon
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
            timeout: float, compute_rounds: int, settle_s: float, ring_cpu_bytes: tuple[int, int] | None,
-           codec_bytes: int, shared: bool) -> dict[str, Any]:
+           codec_bytes: int, shared: bool, allreduce_bytes: int) -> dict[str, Any]:
     """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``ring_cpu_bytes``: the
     two gradients our ring's CPU is timed at (None: not timed); ``codec_bytes``: the one it is timed at
     with each lossy codec too (0: none), and, where the workers share cores (``shared``), pipe-sgd's
-    loop with each codec (:func:`_period`)."""
+    loop with each codec (:func:`_period`); ``allreduce_bytes``: the gradient the backend's allreduce
+    is timed at beside 1 element."""
     import torch.distributed as dist
 
     from pipetrain.runtime.job import init_distributed
@@ -411,7 +423,11 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     # allreduce after each rank's own training step; then the time per message and our ring's while a
     # thread of each computes, as a running job's compute does, and our ring once more with nothing running
     idle, cpu = _ping_pong(transport, rank, rounds, device)
-    allreduce_latency, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
+    one, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
+    whole = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device, allreduce_bytes)[0]
+    world = dist.get_world_size()
+    allreduce_latency = one / (2 * (world - 1))
+    allreduce_per_byte = max(0.0, whole - one) / (2 * (world - 1) / world * allreduce_bytes)
     ring_cpu, ring_cpu_per_byte, plain_s = (0.0, 0.0, 0.0) if ring_cpu_bytes is None else \
         _ring_cpu(device, ring_cpu_bytes)
     alone = {name: _ring_alone(device, codec, codec_bytes) for name, codec in CODECS.items() if codec.lossy} \
@@ -441,6 +457,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 message_cpu_s_per_byte=cpu_per_byte, copy_s_per_byte=_memory_s_per_byte(device, torch.Tensor.copy_),
                 add_s_per_byte=_memory_s_per_byte(device, torch.Tensor.add_),
                 ring_latency_s=ring_latency, ring_s_per_byte=ring_per_byte, allreduce_latency_s=allreduce_latency,
+                allreduce_s_per_byte=allreduce_per_byte, allreduce_bytes=allreduce_bytes,
                 jitter_s=statistics.median(jitters), allreduce_cpu_s=allreduce_cpu, ring_cpu_s=ring_cpu,
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
                 step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0,
@@ -652,19 +669,24 @@ def _staggered_calls(fn: Callable[[], Any], rank: int, rounds: int,
 
 
 SYNC_PROBE_S = 1.0
-"""About how long :func:`_allreduce_at_sync` may take: its rounds are as many training steps."""
+"""About how long :func:`_allreduce_at_sync` may take: its rounds are as many training steps and calls."""
 
 
 def _allreduce_at_sync(kernel: Callable[[], Any], step_s: float, rank: int, rounds: int,
-                       device: torch.device) -> tuple[float, float]:
-    """(α per ring step, CPU seconds per call) of the backend's 1-element ``all_reduce`` as a job's sync
-    meets it: in each round every rank runs a training step (``kernel``, ``step_s`` seconds with every
-    rank computing), then computes its own stagger (:func:`_staggered_calls`), then calls; its compute
-    waits in the call, as a job's does. Rounds: ``rounds``, fewer where the steps would take over
-    :data:`SYNC_PROBE_S` (at least 8). α: each round's time is the last caller's (the others were
-    already waiting), the mean over the rounds over its 2(p-1) steps. CPU: each rank's median,
+                       device: torch.device, nbytes: int = 4) -> tuple[float, float]:
+    """(seconds, CPU seconds) per call of the backend's ``all_reduce`` of ``nbytes`` (default: 1 element)
+    as a job's sync meets it: in each round every rank runs a training step (``kernel``, ``step_s``
+    seconds with every rank computing), then computes its own stagger (:func:`_staggered_calls`), then
+    calls; its compute waits in the call, as a job's does. Rounds: ``rounds``, fewer where the steps and
+    calls would take over :data:`SYNC_PROBE_S` (at least 8). Seconds: each round's time is the last
+    caller's (the others were already waiting), the mean over the rounds. CPU: each rank's median,
     averaged over the ranks; waiting for the last rank costs CPU too (2 ranks on 2 cores: 0.16-0.19 ms
     back to back, 0.29-0.44 ms staggered by up to 2 ms).
+
+    Ours: the repository's example MLP (a 73 KB gradient, 2 workers on 2 cores) waited 1.0 ms (median)
+    and 1.8 ms (mean) for its replicated stage's allreduce, where the 1-element call's α and the
+    measured ring's β priced 0.8 ms; alone, a loop of its training step and that allreduce took 0.23
+    (0.53) ms per 1-element call and 0.91 (1.43) ms per gradient.
 
     4 ranks of mnist-mlp on 2 cores, in 5 probes each: with a thread of every rank computing all
     along, as earlier probes took α, 0.7-1.2 ms per step (means of 40 calls), and mnist-mlp's cgdp
@@ -673,13 +695,16 @@ def _allreduce_at_sync(kernel: Callable[[], Any], step_s: float, rank: int, roun
     iteration's last (0.4 on average)."""
     import torch.distributed as dist
 
-    flag = torch.zeros(1, device=device)
-    count = max(8, min(rounds, int(SYNC_PROBE_S / max(step_s, 1e-9))))
+    flag = torch.zeros(max(1, nbytes // 4), device=device)
+    start = time.perf_counter()
+    dist.all_reduce(flag)
+    each = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(each, op=dist.ReduceOp.MAX)  # every rank must make as many calls
+    count = max(8, min(rounds, int(SYNC_PROBE_S / max(step_s + float(each), 1e-9))))
     wall, cpu = _staggered_calls(lambda: dist.all_reduce(flag), rank, count, kernel)
     last = torch.tensor(wall, dtype=torch.float64, device=device)
     dist.all_reduce(last, op=dist.ReduceOp.MIN)
-    return (statistics.mean(last.tolist()) / (2 * (dist.get_world_size() - 1)),
-            _mean_over_ranks(statistics.median(cpu), device))
+    return statistics.mean(last.tolist()), _mean_over_ranks(statistics.median(cpu), device)
 
 
 def _mean_over_ranks(value: float, device: torch.device) -> float:

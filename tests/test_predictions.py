@@ -507,6 +507,9 @@ def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with
             old.ring_cpu_s, old.ring_cpu_s_per_byte, old.idle_ring_latency_s, old.idle_ring_s_per_byte) == (0.0,) * 8
     assert old.codec_ring_cpu_s == {} and old.codec_ring_cpu("quant8", 2, 0) is None
     assert old.allreduce_terms(ours=True) == old.allreduce_terms(ours=False) == (old.latency_s, old.s_per_byte)
+    ring_only = dataclasses.replace(old, ring_s_per_byte=2e-9, allreduce_latency_s=1 * MS)
+    assert ring_only.allreduce_terms(ours=False) == (1 * MS, 2e-9)  # the ring's β stands in for the backend's
+    assert dataclasses.replace(ring_only, allreduce_s_per_byte=5e-9).allreduce_terms(ours=False) == (1 * MS, 5e-9)
 
 
 def test_the_setup_probe_measures_both_allreduces_among_the_workers():
@@ -518,6 +521,9 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
+    # the backend's allreduce: its own line, through 1 element and the job's gradient (256 KB, under a bucket)
+    assert measured.allreduce_bytes == 1 << 18 and measured.allreduce_s_per_byte > 0
+    assert measured.allreduce_terms(ours=False) == (measured.allreduce_latency_s, measured.allreduce_s_per_byte)
     assert measured.idle_ring_s_per_byte > 0 and measured.allreduce_terms(ours=True, idle=True) == \
         (measured.idle_ring_latency_s, measured.idle_ring_s_per_byte)
     assert all((measured.idle_ring(name, 2, 1 << 18) or 0) > 0 for name in ("none", "trunc16", "quant8"))
