@@ -196,16 +196,17 @@ class SimResult:
 
 
 def _link_terms(link: Link, setup: Setup | None, allreduce: str | None = None,
-                idle: bool = False) -> tuple[float, float]:
+                idle: bool = False, nbytes: float | None = None) -> tuple[float, float]:
     """(latency, seconds per byte) of one message on ``link``, or with ``allreduce`` (``"ours"``: our
-    ring, ``"backend"``: the backend's ``all_reduce``) of one step of a gradient allreduce: with a
-    measured set-up, its message (allreduce) latency more, at the slower of the link's and the
-    measured transport's (ring's) seconds per byte (see [Note: run set-up]); ``idle``: our ring's as
-    measured with nothing else running, where it was."""
+    ring, ``"backend"``: the backend's ``all_reduce``) of one step of an allreduce of a gradient of
+    ``nbytes``: with a measured set-up, its message (allreduce) latency more, at the slower of the
+    link's and the measured transport's (allreduce's) seconds per byte (see [Note: run set-up] and
+    :meth:`pipetrain.runsetup.Setup.allreduce_terms`); ``idle``: our ring's as measured with nothing
+    else running, where it was."""
     if setup is None:
         return link.latency_s, 1 / link.bandwidth_Bps
     latency, per_byte = (setup.latency_s, setup.s_per_byte) if allreduce is None else \
-        setup.allreduce_terms(ours=allreduce == "ours", idle=idle)
+        setup.allreduce_terms(ours=allreduce == "ours", idle=idle, nbytes=nbytes)
     return link.latency_s + latency, max(1 / link.bandwidth_Bps, per_byte)
 
 
@@ -240,10 +241,10 @@ class _Sim:
         self.peak_versions, self.peak_in_flight = [1] * n, [0] * n
         # PipeDream §3.2's W^m: the parameter-server volume over one link; nothing for one replica
         self.latency_s, self.byte_s = _link_terms(link, setup)
-        ring_latency_s, ring_byte_s = _link_terms(link, setup, allreduce="backend")
         self.sync_s = list(sync_s) if sync_s is not None else [
             0.0 if r == 1 else link.transfer_s(dp_sync_bytes(c.parameter_bytes, r)) if setup is None else
-            costs.ring_allreduce_time(r, c.parameter_bytes, ring_latency_s, ring_byte_s, 0.0,
+            costs.ring_allreduce_time(r, c.parameter_bytes,
+                                      *_link_terms(link, setup, allreduce="backend", nbytes=c.parameter_bytes), 0.0,
                                       segments=buckets(c.parameter_bytes))
             for c, r in zip(stages, schedule.replicas)]
         self.start_sync_s = [0.0 if r == 1 else self._cpu_s(last_bucket_bytes(c.parameter_bytes))
@@ -595,7 +596,8 @@ def predict_data_parallel(profile: Profile, strategy: str, workers: int, link: L
     if reduce_s is None:
         reduce_s = costs.contended_s(arithmetic if setup is None or setup.ring_s_per_byte == 0 else extra, slowdown)
     gamma = reduce_s / ((workers - 1) / workers * payload) if workers > 1 else 0.0
-    latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend")
+    latency, byte_s = _link_terms(link, setup, allreduce="ours" if spec.compresses else "backend",
+                                  nbytes=whole.parameter_bytes)
     # the link's own ring time: no prediction from a set-up's timings is faster than that
     link_ring_s = costs.ring_allreduce_time(workers, payload, *_link_terms(link, None), 0.0)
     if spec.compresses and setup is not None:  # our ring's A copies the gradient out of .grad on the compute thread

@@ -139,6 +139,24 @@ def test_gradient_allreduces_are_priced_with_the_measured_allreduces_not_the_mes
     assert without.comm_s == pytest.approx(2 * 1 * MS + 800 * 1e-6)
 
 
+def test_a_gradient_of_one_probed_bucket_moves_at_the_backends_own_rate_at_sync_a_larger_at_the_busy_rings():
+    """The set-up probed the backend's all_reduce at sync at 800 bytes: 5 us/B beside its 0.5 ms α. The
+    two layers' 800 bytes (one bucket, allreduced after the backward) then take 2 x 0.5 ms + 800 x 5 us
+    = 5 ms, for a replicated stage and for ddp; our ring (pipe-sgd) keeps its own line (7.6 ms). Probed
+    at 400 bytes only, the 800-byte gradient is larger than what was probed, and its buckets would
+    mostly move while the backward computes: the busy ring's 2 us/B prices it, 2.6 ms."""
+    probed = setup(cores=8, slowdown=1.0, ring_latency_s=3 * MS, ring_s_per_byte=2e-6, allreduce_latency_s=0.5 * MS,
+                   allreduce_s_per_byte=5e-6, allreduce_bytes=800)
+    at_sync, ours = 2 * 0.5 * MS + 800 * 5e-6, 2 * 3 * MS + 800 * 2e-6
+    times = {a: (s, e) for a, s, e in simulate(build_schedule("pipedream", [2], 4), two_layers(probed), [0]).trace[0]}
+    assert times["S0"][1] - times["A0"][0] == pytest.approx(at_sync)
+    assert predict_data_parallel(two_layers(probed), "ddp", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(at_sync)
+    assert predict_data_parallel(two_layers(probed), "pipe-sgd", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(ours)
+    smaller = two_layers(dataclasses.replace(probed, allreduce_bytes=400))
+    busy = 2 * 0.5 * MS + 800 * 2e-6
+    assert predict_data_parallel(smaller, "ddp", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(busy)
+
+
 def test_our_ring_moves_at_the_busy_rate_while_the_workers_compute_beside_it_and_at_the_idle_rate_after():
     """Both layers' 800 parameter bytes on 2 workers. Our ring measured busy, 3 ms a step + 2 us/B, takes
     2 x 3 + 800 x 2 us = 7.6 ms; idle, 1 ms + 1 us/B, 2.8 ms. Pipe-sgd (K = 2) computes beside it for its
@@ -509,7 +527,9 @@ def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with
     assert old.allreduce_terms(ours=True) == old.allreduce_terms(ours=False) == (old.latency_s, old.s_per_byte)
     ring_only = dataclasses.replace(old, ring_s_per_byte=2e-9, allreduce_latency_s=1 * MS)
     assert ring_only.allreduce_terms(ours=False) == (1 * MS, 2e-9)  # the ring's β stands in for the backend's
-    assert dataclasses.replace(ring_only, allreduce_s_per_byte=5e-9).allreduce_terms(ours=False) == (1 * MS, 5e-9)
+    probed = dataclasses.replace(ring_only, allreduce_s_per_byte=5e-9, allreduce_bytes=1000)
+    assert probed.allreduce_terms(ours=False, nbytes=1000) == (1 * MS, 5e-9)
+    assert probed.allreduce_terms(ours=False) == probed.allreduce_terms(ours=False, nbytes=1001) == (1 * MS, 2e-9)
 
 
 def test_the_setup_probe_measures_both_allreduces_among_the_workers():
@@ -523,7 +543,9 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
                                                    measured.ring_s_per_byte)
     # the backend's allreduce: its own line, through 1 element and the job's gradient (256 KB, under a bucket)
     assert measured.allreduce_bytes == 1 << 18 and measured.allreduce_s_per_byte > 0
-    assert measured.allreduce_terms(ours=False) == (measured.allreduce_latency_s, measured.allreduce_s_per_byte)
+    assert measured.allreduce_terms(ours=False, nbytes=1 << 18) == (measured.allreduce_latency_s,
+                                                                    measured.allreduce_s_per_byte)
+    assert measured.allreduce_terms(ours=False, nbytes=1 << 19)[1] == measured.ring_s_per_byte
     assert measured.idle_ring_s_per_byte > 0 and measured.allreduce_terms(ours=True, idle=True) == \
         (measured.idle_ring_latency_s, measured.idle_ring_s_per_byte)
     assert all((measured.idle_ring(name, 2, 1 << 18) or 0) > 0 for name in ("none", "trunc16", "quant8"))
