@@ -303,7 +303,14 @@ def _stuck(message: str, kind: str, rank: int, workdir: str, procs: list,
             os.kill(p.pid, signal.SIGUSR1)
     files = [Path(workdir) / f"stacks{r}.txt" for r, _ in running]
     deadline = time.monotonic() + STACKS_WAIT_S
-    while time.monotonic() < deadline and not all(f.exists() and f.stat().st_size for f in files):
+    # faulthandler writes a stack a line at a time: read once every file is non-empty and has stopped
+    # growing (read as soon as it was non-empty, a loaded machine gave a stack cut before its frames)
+    sizes: list[int] = []
+    while time.monotonic() < deadline:
+        now = [f.stat().st_size if f.exists() else 0 for f in files]
+        if all(now) and now == sizes:
+            break
+        sizes = now
         time.sleep(0.05)
     texts = [f"== rank {r}\n{f.read_text()}" for (r, _), f in zip(running, files) if f.exists() and f.stat().st_size]
     log = _keep("stacks", texts, log_dir)
