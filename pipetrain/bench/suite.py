@@ -275,9 +275,9 @@ def _choose(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: floa
     the shared work) and the link at its measured rate (one machine on loopback). Every candidate a run
     system measures is predicted, codecs included (``allow_compression``)."""
     profile = _profile(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))
+    data = peer.spec.dataset(cfg.batch_size, seed=peer.seed + 1)
     with torch_threads(cfg.threads):  # as pipetrain's workers build their minibatches from the dataset
-        profile.inputs_s, profile.targets_s, profile.both_s = time_batching(peer.spec.dataset(cfg.batch_size, seed=peer.seed + 1),
-                                                            cfg.batch_size)
+        profile.inputs_s, profile.targets_s, profile.both_s = time_batching(data, cfg.batch_size)
     shard = peer.spec.dataset(cfg.batch_size // cfg.workers, seed=peer.seed + 1)[:]
     profile.setup = measure_setup(cfg.workers, cfg.threads, model_step(peer.build(), tuple(shard), peer.spec.loss_fn),
                                   launch=launch, ring_bytes=profile.parameter_bytes)

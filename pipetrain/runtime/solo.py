@@ -147,7 +147,8 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
     model.eval().to(device)
     try:
         micro = 0 if m > 1 else None
-        x, target = (microbatch(to_device(value, device), micro, m) for value in collate_parts(cfg.dataset, items, (0, 1)))
+        x, target = (microbatch(to_device(value, device), micro, m)
+                     for value in collate_parts(cfg.dataset, items, (0, 1)))
         parts = list(LayeredModel(model).stages(cfg.boundaries))
         with torch.no_grad():
             for part in parts[:stage]:
