@@ -48,7 +48,12 @@ class Setup:
             not measured (a message then always takes ``latency_s``: see
             :func:`pipetrain.costs.busy_latency_s`).
         message_cpu_s, message_cpu_s_per_byte: CPU seconds a message costs one end (all the threads of
-            the process: transport, gloo), as a line through the same sizes.
+            the process: transport, gloo) with nothing else running in the process, as a line through
+            the same sizes.
+        computing_message_cpu_s, computing_message_cpu_s_per_byte: the same for a message sent or
+            received right after a training step, as a job's workers send theirs (the step's own CPU
+            left out); 0 when not measured, and the idle line stands in. A job's messages pay this one
+            (:meth:`shared_cpu`): see :data:`COMPUTING_ROUNDS_SECONDS`.
         copy_s_per_byte: copying memory (a stashed weight version, a gradient buffer).
         ring_latency_s, ring_s_per_byte: our ring allreduce over all the workers while every worker
             computes (α and β of :func:`pipetrain.costs.ring_allreduce_time`: n bytes over p workers take
@@ -129,6 +134,8 @@ class Setup:
     idle_ring_s_per_byte: float = 0.0
     idle_ring_s: dict[str, float] = field(default_factory=dict)
     period_s: dict[str, float] = field(default_factory=dict)
+    computing_message_cpu_s: float = 0.0
+    computing_message_cpu_s_per_byte: float = 0.0
 
     @property
     def cores_per_worker(self) -> float:
@@ -211,9 +218,12 @@ class Setup:
 
     def shared_cpu(self, nbytes: float) -> float:
         """Seconds one message end takes from the worker's compute: none with 2 or more cores each, else
-        its CPU (its transport threads then run on the cores it computes on), over the worker's share of
-        a core where workers outnumber the cores (:func:`pipetrain.costs.shared_core_compute_s`)."""
-        return costs.shared_core_compute_s(0.0, 0.0, self.message_cpu(nbytes), self.cores_per_worker)
+        its CPU after a training step, where measured (its transport threads then run on the cores it
+        computes on), over the worker's share of a core where workers outnumber the cores
+        (:func:`pipetrain.costs.shared_core_compute_s`)."""
+        cpu = costs.message_time(nbytes, self.computing_message_cpu_s, self.computing_message_cpu_s_per_byte) \
+            if self.computing_message_cpu_s + self.computing_message_cpu_s_per_byte > 0 else self.message_cpu(nbytes)
+        return costs.shared_core_compute_s(0.0, 0.0, cpu, self.cores_per_worker)
 
     @staticmethod
     def from_dict(data: Any, field_of: Callable[..., Any]) -> Setup:
@@ -237,7 +247,9 @@ class Setup:
         """One line for people."""
         return (f"{self.workers} workers x {self.threads} threads on {self.cores} cores (compute {self.slowdown:.2f}x "
                 f"slower all at once), {self.backend} message {1e6 * self.latency_s:.0f} us (idle "
-                f"{1e6 * self.idle_latency_s:.0f}) + {1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us per end, ring "
+                f"{1e6 * self.idle_latency_s:.0f}) + {1e9 * self.s_per_byte:.2f} ns/B, CPU {1e6 * self.message_cpu_s:.0f} us "
+                f"per end (after a step {1e6 * self.computing_message_cpu_s:.0f} us + "
+                f"{1e9 * self.computing_message_cpu_s_per_byte:.2f} ns/B), ring "
                 f"{1e6 * self.ring_latency_s:.0f} us per step + {1e9 * self.ring_s_per_byte:.2f} ns/B (idle "
                 f"{1e6 * self.idle_ring_latency_s:.0f} us + {1e9 * self.idle_ring_s_per_byte:.2f} ns/B), "
                 f"{self.backend} allreduce {1e6 * self.allreduce_latency_s:.0f} us per step + "
@@ -430,6 +442,9 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     # allreduce after each rank's own training step; then the time per message and our ring's while a
     # thread of each computes, as a running job's compute does, and our ring once more with nothing running
     idle, cpu = _ping_pong(transport, rank, rounds, device)
+    # only a worker with under 2 cores pays its messages' CPU (Setup.shared_cpu)
+    after_step = _ping_pong(transport, rank, _computing_rounds(step_s, rounds), device, kernel)[1] \
+        if (os.cpu_count() or 1) < 2 * workers else [0.0, 0.0]
     one, allreduce_cpu = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device)
     whole = _allreduce_at_sync(kernel, step_s, rank, 2 * rounds, device, allreduce_bytes)[0]
     world = dist.get_world_size()
@@ -458,6 +473,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     if rank != 0:
         return {}
     cpu_s, cpu_per_byte = _line(cpu)
+    computing_cpu_s, computing_cpu_per_byte = _line(after_step)
     idle_latency = _line(idle)[0]
     return dict(backend=dist.get_backend(), workers=workers, threads=threads, cores=os.cpu_count() or 1,
                 slowdown=max(1.0, slowdown), latency_s=latency, s_per_byte=per_byte, message_cpu_s=cpu_s,
@@ -470,13 +486,17 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0,
                 codec_ring_cpu_s={name: cpu for name, (cpu, _) in alone.items()}, ring_cpu_bytes=codec_bytes,
                 resampled_s=resampled, idle_ring_latency_s=idle_ring_latency, idle_ring_s_per_byte=idle_ring_per_byte,
-                idle_ring_s=idle_ring, period_s=periods)
+                idle_ring_s=idle_ring, period_s=periods, computing_message_cpu_s=computing_cpu_s,
+                computing_message_cpu_s_per_byte=computing_cpu_per_byte)
 
 
-def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> tuple[list[float], list[float]]:
+def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device,
+               between: Callable[[], Any] | None = None) -> tuple[list[float], list[float]]:
     """(one-way seconds, CPU seconds per message end) at each of :data:`MESSAGE_SIZES`: means of
     ``rounds`` round trips of each between ranks 0 and 1 (other ranks only join the barrier), the sizes
     taken in turn within every round, so that both meet the same states of the machine's scheduler.
+    ``between``: run by ranks 0 and 1 before each round trip, its thread's own CPU left out of the
+    message's (what the transport and gloo threads did meanwhile is kept), not timed.
     Taken one size after the other, the line's intercept and slope traded errors: within one launch of
     4 workers on 2 cores, 0.7-4.4 ms with 3.35-0.15 ns/B; in turn, 1.1-4.4 ms with 0.0-0.66 ns/B."""
     import torch.distributed as dist
@@ -490,7 +510,12 @@ def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> 
         return wall, cpu
     for k in range(rounds):
         for i, payload in enumerate(payloads):
-            tag, t0, c0 = k * len(payloads) + i, time.perf_counter(), time.process_time()
+            c0 = time.process_time()
+            if between is not None:
+                own = time.thread_time()
+                between()
+                c0 += time.thread_time() - own
+            tag, t0 = k * len(payloads) + i, time.perf_counter()
             if rank == 0:
                 transport.send(1, Message(tag, None, 0, [payload], False))
                 transport.recv(1, tag, None, "the pong")
@@ -500,6 +525,21 @@ def _ping_pong(transport: Any, rank: int, rounds: int, device: torch.device) -> 
             wall[i] += (time.perf_counter() - t0) / (2 * rounds)
             cpu[i] += (time.process_time() - c0) / (2 * rounds)
     return wall, cpu
+
+
+COMPUTING_ROUNDS_SECONDS = 2.0
+"""About how long the ping-pong after a training step (:func:`_computing_rounds`) may take. A message's
+transport and gloo threads that run right after a step find the caches holding the step's data: on
+sim_vs_real's wide MLP (2 workers, 2 cores), a 256 KB message end cost 0.6-0.9 ms of CPU after a step
+of 64 rows, 0.25-0.3 ms with nothing else running; in its runs each end of gpipe's 256 KB messages
+cost 1.0-1.2 ms (the runs' transport and gloo threads over their messages)."""
+
+
+def _computing_rounds(step_s: float, rounds: int) -> int:
+    """Round trips of the ping-pong after a step of ``step_s`` seconds: ``rounds``, fewer where they
+    would take over :data:`COMPUTING_ROUNDS_SECONDS`, at least 3."""
+    per_round = len(MESSAGE_SIZES) * max(step_s, 1e-9)
+    return max(3, min(rounds, int(COMPUTING_ROUNDS_SECONDS / per_round)))
 
 
 RING_BYTES = (1 << 16, 1 << 20, 1 << 25)

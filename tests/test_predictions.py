@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ from pipetrain.planning import Plan, StagePlan, plan
 from pipetrain.planning.choose import choose_strategy, predict_plan
 from pipetrain.profiling import LayerProfile, Profile, _field, as_minibatch, profile_model
 from pipetrain.registry import build_schedule
-from pipetrain.runsetup import SETTLE_EXCESS, STAGGER_S, Setup, _jitter, _staggered_calls, measure_setup, model_step
+from pipetrain.runsetup import (COMPUTING_ROUNDS_SECONDS, SETTLE_EXCESS, STAGGER_S, Setup, _computing_rounds, _jitter,
+                                _staggered_calls, measure_setup, model_step)
 from pipetrain.simulate import Link, predict_data_parallel, simulate
 
 MS = 1e-3
@@ -121,6 +123,39 @@ def test_the_simulator_prices_each_message_by_how_busy_the_workers_turn_out():
 def test_the_message_cpu_counts_only_when_a_worker_has_under_two_cores():
     roomy = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(setup(cores=8)), [0, 1])
     assert dict((a, e - s) for a, s, e in roomy.trace[0])["SF0"] == 0.0
+
+
+def test_a_message_end_costs_the_cpu_measured_after_a_training_step_where_the_set_up_has_it():
+    """Two workers with a core each (no contention): a send takes its end's CPU from the worker. A
+    set-up that measured a message end after a training step at 0.7 ms + 1 ns/B prices the 1000-byte
+    activation at 0.7 + 0.001 ms, above the idle line's 0.2 ms; one saved before it was measured keeps
+    the idle line."""
+    def send_s(measured: Setup) -> float:
+        result = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(measured), [0, 1])
+        return dict((a, e - s) for a, s, e in result.trace[0])["SF0"]
+
+    after_step = setup(cores=2, slowdown=1.0, computing_message_cpu_s=0.7 * MS, computing_message_cpu_s_per_byte=1e-9)
+    assert send_s(after_step) == pytest.approx(0.7 * MS + 1000 * 1e-9)
+    old = Setup.from_dict({k: v for k, v in dataclasses.asdict(after_step).items() if not k.startswith("computing")},
+                          _field)
+    assert old.computing_message_cpu_s == 0.0 and send_s(old) == pytest.approx(0.2 * MS)
+
+
+def _burn_20ms() -> None:
+    end = time.thread_time() + 0.02
+    while time.thread_time() < end:
+        pass
+
+
+def test_the_probe_leaves_the_training_steps_own_cpu_out_of_a_message_after_it():
+    """A kernel that burns 20 ms of CPU in its own thread: were it counted, a message end after it
+    would read 10 ms or more (one kernel per round trip of two ends); it reads what the transport
+    costs. Long steps get fewer round trips: at most COMPUTING_ROUNDS_SECONDS in all, at least 3."""
+    measured = measure_setup(2, 1, _burn_20ms, seconds=0.05, rounds=3, compute_rounds=1, ring_cpu=False)
+    assert 0 < measured.computing_message_cpu_s + 1e6 * measured.computing_message_cpu_s_per_byte < 5 * MS
+    assert _computing_rounds(1 * MS, 20) == 20
+    assert _computing_rounds(0.1, 20) == int(COMPUTING_ROUNDS_SECONDS / 0.2)
+    assert _computing_rounds(5.0, 20) == 3
 
 
 def test_gradient_allreduces_are_priced_with_the_measured_allreduces_not_the_message_line():
