@@ -28,7 +28,9 @@ format and :mod:`pipetrain.trace` draws both.
 machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`: compute (F, B, U, on
 ``pipedream`` the copy of a new weight version at a stage that stashes, and in a backward after another
 since the stage's last update, as microbatches have, the add of its gradients into ``.grad``: the
-set-up's ``add_s_per_byte``) takes ``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`); a
+set-up's ``add_s_per_byte``) takes ``slowdown`` times as long (:func:`~pipetrain.costs.contended_s`), or,
+where every worker's threads have cores of their own, as long as the share of the other workers
+computing meanwhile makes it (:func:`~pipetrain.costs.overlap_slowdown`, found in passes: :func:`_run`); a
 transfer takes the measured message latency more (between the idle and the busy one, by how much of the
 time its two ends compute: :func:`_run`), and the slower of the link's and the measured seconds per
 byte; a send and a receive take the CPU a message end costs from a worker with under 2 cores; a
@@ -47,6 +49,7 @@ advanced: the loop runs each worker until it blocks and repeats until all are do
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -67,6 +70,9 @@ from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
 )
 from pipetrain.trace import Record
+
+COMPUTING = (FORWARD, BACKWARD, UPDATE)
+"""The actions that hold a worker's core and interpreter."""
 
 
 @dataclass(frozen=True)
@@ -215,13 +221,16 @@ class _Sim:
 
     def __init__(self, schedule: Schedule, stages: list[StageCost], link: Link,
                  update_s: Sequence[float] | None, sync_s: Sequence[float] | None, setup: Setup | None,
-                 shares: Sequence[float] | None = None) -> None:
+                 shares: Sequence[float] | None = None, others: Sequence[Sequence[float]] | None = None,
+                 contention: float | None = None) -> None:
         self.sched, self.costs, self.link, self.setup = schedule, stages, link, setup
         self.shares = shares  # each worker's share of the time computing, from a pass before (None: all)
+        self.others = others  # per worker and action, the other workers' share computing meanwhile (None: all)
         self.slowdown = 1.0 if setup is None else setup.slowdown
+        # the part of slowdown that is all the workers computing at once (the rest: a step over its layers)
+        self.contention = self.slowdown if contention is None else contention
         # a given update_s (per stage) is taken as the time it takes; the profile's is the optimizer alone
-        self.update_s = [costs.contended_s(c.update_s, self.slowdown) for c in stages] if update_s is None else \
-            list(update_s)
+        self.update_s = None if update_s is None else list(update_s)
         n = schedule.num_workers
         self.pos, self.clock = [0] * n, [0.0] * n
         self.trace: list[list[Record]] = [[] for _ in range(n)]
@@ -300,10 +309,10 @@ class _Sim:
             first = a.micro in (None, 0)  # builds the minibatch; may make a new weight version
             copy = self.copy_s[s] if first and self.updates[w] not in self.versions[w].values() else 0.0
             build = self.costs[s].batching_s if first else 0.0
-            return start + costs.contended_s(self.costs[s].forward_s / m + copy + build, self.slowdown)
+            return start + self._compute_s(w, self.costs[s].forward_s / m + copy + build)
         if a.kind == BACKWARD:
             add = self.add_s[s] if self.grads_held[w] else 0.0
-            return start + costs.contended_s(self.costs[s].backward_s / m + add, self.slowdown)
+            return start + self._compute_s(w, self.costs[s].backward_s / m + add)
         if a.kind in SENDS:
             dst = self.sched.peer(w, a)
             assert dst is not None
@@ -328,13 +337,41 @@ class _Sim:
             end = self.sync_end.get((s, self.waits[w]))
             return None if end is None else max(start, end)
         assert a.kind == UPDATE
-        return start + self.update_s[s]
+        return start + (self._compute_s(w, self.costs[s].update_s) if self.update_s is None else self.update_s[s])
+
+    def _compute_s(self, w: int, seconds: float) -> float:
+        """How long ``seconds`` of compute alone take as worker ``w``'s next action: ``slowdown`` times as
+        long; where the pass before found the others' share computing meanwhile, the contention part of
+        it at that share (:func:`pipetrain.costs.overlap_slowdown`), times the rest."""
+        if self.others is None:
+            return costs.contended_s(seconds, self.slowdown)
+        shared = costs.overlap_slowdown(self.contention, self.others[w][self.pos[w]])
+        return costs.contended_s(seconds, self.slowdown / self.contention * shared)
+
+    def others_computing(self) -> list[list[float]]:
+        """Per worker and action of this pass, the mean share of the other workers computing (F, B, U)
+        during it: 1 for an action of no length or with no other worker."""
+        n = self.sched.num_workers
+        events = sorted((t, step) for w in range(n) for a, (_, start, end) in zip(self.sched.actions[w], self.trace[w])
+                        if a.kind in COMPUTING and end > start for t, step in ((start, 1), (end, -1)))
+        times, integral, counts = [0.0], [0.0], [0]  # the number computing from times[i] on; its integral to it
+        for t, step in events:
+            integral.append(integral[-1] + counts[-1] * (t - times[-1]))
+            times.append(t)
+            counts.append(counts[-1] + step)
+
+        def area(t: float) -> float:
+            i = bisect.bisect_right(times, t) - 1
+            return integral[i] + counts[i] * (t - times[i])
+
+        return [[((area(end) - area(start)) / (end - start) - 1) / (n - 1) if end > start and n > 1 else 1.0
+                 for _, start, end in self.trace[w]] for w in range(n)]
 
     def _account(self, w: int, a: Action, seconds: float) -> None:
         """Track busy time, syncs, updates, in-flight minibatches and the weight versions they hold."""
         if a.kind in (FORWARD, BACKWARD):
             self.busy_s[w] += seconds
-        if a.kind in (FORWARD, BACKWARD, UPDATE):
+        if a.kind in COMPUTING:
             self.compute_s[w] += seconds
         if a.kind == BACKWARD:
             self.last_backward[w] = self.clock[w]
@@ -405,6 +442,7 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         raise ValueError(f"{len(sync_s)} sync times for a {schedule.num_stages}-stage schedule; give one per stage")
     per_stage = stage_costs(profile, boundaries, batch_size)
     updates = None if update_s is None else [update_s] * schedule.num_stages
+    contention = None if profile.setup is None else profile.setup.slowdown  # before a step's slowdown replaces it
     if schedule.sharded:  # each of r workers computes on its 1/r of the minibatch
         per_stage = [c.share(schedule.replicas[0]) for c in per_stage]
     elif profile.setup is not None and (schedule.num_stages == 1 or schedule.microbatches > 1):
@@ -415,7 +453,7 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         profile = _shard_priced(profile, stage_costs(profile, [0], batch_size)[0], schedule.microbatches,
                                 batch_size)[0]
         per_stage = stage_costs(profile, boundaries, batch_size)  # its building keeps the set-up's slowdown
-    sim = _run(schedule, per_stage, link, updates, sync_s, profile.setup)
+    sim = _run(schedule, per_stage, link, updates, sync_s, profile.setup, contention)
     makespan = max(sim.clock, default=0.0)
     busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]
     scale = [c.stash_bytes / schedule.microbatches for c in sim.costs]
@@ -433,23 +471,43 @@ SHARE_PASSES = 8
 
 
 def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: Sequence[float] | None,
-         sync_s: Sequence[float] | None, setup: Setup | None) -> _Sim:
-    """The simulation run to its end. With a set-up that measured a message idle as well as busy, and
-    messages to send, each message's latency follows how much of the time its two ends compute
-    (:func:`pipetrain.costs.busy_latency_s`): the first pass prices every message busy; each pass after
-    takes the workers' shares from the one before, averaged with the shares it was given (a longer
-    latency lowers the shares that priced it, so the undamped passes swing), until the makespan moves
-    less than 0.1% or :data:`SHARE_PASSES` passes."""
-    sim = _Sim(schedule, stages, link, update_s, sync_s, setup)
+         sync_s: Sequence[float] | None, setup: Setup | None, contention: float | None = None) -> _Sim:
+    """The simulation run to its end, in passes where what a pass prices follows the pass before.
+
+    * With a set-up that measured a message idle as well as busy, each message's latency follows how
+      much of the time its two ends compute (:func:`pipetrain.costs.busy_latency_s`).
+    * Where every worker's threads have cores of their own and the set-up's ``contention`` (its
+      slowdown of all the workers computing at once, part of ``setup.slowdown`` where a step priced
+      the stages) exceeds 1, each compute action's slowdown follows the share of the other workers
+      computing meanwhile (:func:`pipetrain.costs.overlap_slowdown`): a pipeline's bubbles leave a
+      stage the machine to itself. Where workers share cores, time slicing makes that share matter in
+      ways the set-up does not measure, and compute keeps the whole slowdown.
+
+    The first pass prices every message busy and all compute at the whole slowdown; each pass after
+    takes the shares from the one before, averaged with those it was given (a longer latency lowers
+    the shares that priced it, so the undamped passes swing), until the makespan moves less than 0.1%
+    or :data:`SHARE_PASSES` passes. A schedule of one stage runs one pass."""
+    sim = _Sim(schedule, stages, link, update_s, sync_s, setup, contention=contention)
     sim.run()
-    if setup is None or setup.idle_latency_s <= 0 or schedule.num_stages == 1:
+    if setup is None or schedule.num_stages == 1:
+        return sim
+    latency_follows = setup.idle_latency_s > 0
+    compute_follows = (setup.slowdown if contention is None else contention) > 1 and \
+        setup.cores >= setup.workers * setup.threads
+    if not (latency_follows or compute_follows):
         return sim
     shares: list[float] | None = None
+    others: list[list[float]] | None = None
     for _ in range(SHARE_PASSES - 1):
         makespan = max(sim.clock, default=0.0)
-        measured = [c / makespan if makespan > 0 else 0.0 for c in sim.compute_s]
-        shares = measured if shares is None else [(a + b) / 2 for a, b in zip(shares, measured)]
-        sim = _Sim(schedule, stages, link, update_s, sync_s, setup, shares)
+        if latency_follows:
+            measured = [c / makespan if makespan > 0 else 0.0 for c in sim.compute_s]
+            shares = measured if shares is None else [(a + b) / 2 for a, b in zip(shares, measured)]
+        if compute_follows:
+            found = sim.others_computing()
+            others = found if others is None else [[(a + b) / 2 for a, b in zip(mine, new)]
+                                                   for mine, new in zip(others, found)]
+        sim = _Sim(schedule, stages, link, update_s, sync_s, setup, shares, others, contention)
         sim.run()
         if abs(max(sim.clock, default=0.0) - makespan) <= 1e-3 * makespan:
             break

@@ -89,6 +89,57 @@ def test_a_microbatchs_backward_after_the_first_adds_its_gradients_into_grad():
     whole = simulate(build_schedule("pipedream", [1], 2), two_layers(setup(add_s_per_byte=1e-6)), [0])
     assert {round((e - s) / MS, 6) for a, s, e in whole.trace[0] if a.startswith("B")} == {8.0}
 
+def test_a_workers_compute_is_slowed_by_the_share_of_the_others_computing_meanwhile():
+    """Between alone (1) and the set-up's slowdown of all computing at once, linearly in the share."""
+    assert costs.overlap_slowdown(1.5, 0.0) == 1.0
+    assert costs.overlap_slowdown(1.5, 1.0) == pytest.approx(1.5)
+    assert costs.overlap_slowdown(1.5, 0.5) == pytest.approx(1.25)
+    assert costs.overlap_slowdown(1.5, 2.0) == pytest.approx(1.5) and costs.overlap_slowdown(1.5, -1.0) == 1.0
+
+
+def _no_messages(**changes: float) -> Setup:
+    """Two single-thread workers, slowdown 1.5 all at once, messages and copies free."""
+    return setup(**{"slowdown": 1.5, "latency_s": 0.0, "s_per_byte": 0.0, "message_cpu_s": 0.0, **changes})
+
+
+def test_compute_is_slowed_only_while_other_workers_compute_where_each_has_a_core():
+    """pipedream, 2 stages, 2 minibatches, F 1 ms and B 2 ms a layer, no optimizer, free messages; 2
+    workers on 2 cores, slowdown 1.5. By hand: worker 0's F0 runs alone (0-1 ms); its F1 and worker
+    1's F0 together (1-2.5); worker 1's B0 alone (2.5-4.5); then its F1 beside worker 0's B0 (4.5-6),
+    and worker 0's B0 beside it and then beside worker 1's B1 throughout (4.5-7.5). Worker 1's B1 of d
+    ms shares its first 1.5 ms: d = 2 (1 + 0.5 x 1.5 / d), d = 1 + sqrt(2.5); worker 0's B1 alone after it.
+    On one core for both (time slicing), every action takes the whole slowdown."""
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 1000, 400) for i in range(2)]
+    sched = build_schedule("pipedream", [1, 1], 2)
+
+    def timeline(measured: Setup) -> list[dict[str, tuple[float, float]]]:
+        result = simulate(sched, Profile(layers, batch_size=1, device="test", setup=measured), [0, 1])
+        return [{a: (s / MS, e / MS) for a, s, e in worker if a[0] in "FB"} for worker in result.trace]
+
+    d = 1 + math.sqrt(2.5)
+    by_hand = [{"F0": (0, 1), "F1": (1, 2.5), "B0": (4.5, 7.5), "B1": (6 + d, 8 + d)},
+               {"F0": (1, 2.5), "B0": (2.5, 4.5), "F1": (4.5, 6), "B1": (6, 6 + d)}]
+    got = timeline(_no_messages(cores=2))
+    for mine, hand in zip(got, by_hand):
+        assert mine.keys() == hand.keys()
+        for action, (start, end) in hand.items():
+            assert mine[action] == (pytest.approx(start, rel=2e-3), pytest.approx(end, rel=2e-3)), action
+    shared = timeline(_no_messages(cores=1))
+    assert {round(e - s, 9) for worker in shared for a, (s, e) in worker.items()} == {1.5, 3.0}
+
+
+def test_a_step_priced_stage_alone_keeps_the_steps_own_part_of_its_slowdown():
+    """gpipe, 2 stages, 4 microbatches of 2 rows (F 1 ms, B 2 ms a layer at 8 rows). The set-up's step
+    at 2 rows took 3 ms all at once against the layers' 1.5 ms (2x), of which 1.5x is the workers
+    computing at once: worker 0's first forward, alone while worker 1 waits for it, takes
+    0.25 ms x 2 / 1.5."""
+    layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 1000, 400) for i in range(2)]
+    measured = _no_messages(cores=2, step_s=3 * MS, step_rows=2)
+    profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=measured)
+    times = {a: e - s for a, s, e in simulate(build_schedule("gpipe", [1, 1], 1, 4), profile, [0, 1]).trace[0]}
+    assert times["F0.0"] == pytest.approx(0.25 * MS * 2 / 1.5)
+
+
 def test_a_messages_latency_follows_how_much_its_two_ends_compute():
     """Idle 1 ms, busy 5 ms: an end computing a share u of the time delays a message as a busy end with
     chance u, so with shares u and v it takes 1 + 4 (1 - (1 - u)(1 - v)) ms."""
