@@ -619,22 +619,24 @@ def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with
 
 
 def test_the_setup_probe_measures_both_allreduces_among_the_workers():
-    measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18)
+    """At a 1 MiB gradient (one bucket): at 256 KB, a 1-element allreduce slowed by a busy machine once
+    took longer than the gradient's, and the line's β read 0."""
+    measured = measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 20)
     assert measured.ring_s_per_byte > 0 and measured.allreduce_latency_s > 0 and measured.allreduce_cpu_s > 0
     assert measured.ring_cpu(2, 1 << 17) > 0 and "ring CPU" in measured.describe()
-    assert measured.ring_cpu_bytes == 1 << 18 and "quant8 ring" in measured.describe()
-    assert all((measured.codec_ring_cpu(name, 2, 1 << 18) or 0) > 0 for name in ("trunc16", "quant8"))
+    assert measured.ring_cpu_bytes == 1 << 20 and "quant8 ring" in measured.describe()
+    assert all((measured.codec_ring_cpu(name, 2, 1 << 20) or 0) > 0 for name in ("trunc16", "quant8"))
     assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
-    # the backend's allreduce: its own line, through 1 element and the job's gradient (256 KB, under a bucket)
-    assert measured.allreduce_bytes == 1 << 18 and measured.allreduce_s_per_byte > 0
-    assert measured.allreduce_terms(ours=False, nbytes=1 << 18) == (measured.allreduce_latency_s,
+    # the backend's allreduce: its own line, through 1 element and the job's gradient (1 MiB, a bucket)
+    assert measured.allreduce_bytes == 1 << 20 and measured.allreduce_s_per_byte > 0
+    assert measured.allreduce_terms(ours=False, nbytes=1 << 20) == (measured.allreduce_latency_s,
                                                                     measured.allreduce_s_per_byte)
-    assert measured.allreduce_terms(ours=False, nbytes=1 << 19)[1] == measured.ring_s_per_byte
+    assert measured.allreduce_terms(ours=False, nbytes=1 << 21)[1] == measured.ring_s_per_byte
     assert measured.idle_ring_s_per_byte > 0 and measured.allreduce_terms(ours=True, idle=True) == \
         (measured.idle_ring_latency_s, measured.idle_ring_s_per_byte)
-    assert all((measured.idle_ring(name, 2, 1 << 18) or 0) > 0 for name in ("none", "trunc16", "quant8"))
+    assert all((measured.idle_ring(name, 2, 1 << 20) or 0) > 0 for name in ("none", "trunc16", "quant8"))
     assert "quant8 ring" in measured.describe() and "ms idle" in measured.describe()
     assert "ring" in measured.describe() and "allreduce" in measured.describe()
     assert measured.jitter_s >= 0 and "ms of compute" in measured.describe()
