@@ -340,9 +340,27 @@ def test_plan_for_a_model_of_other_layers(capsys, plan_json, profile_json):
     (["--workers", "4", "--workers-per-server", "0", "--intra-bandwidth", "1Gbit"],
      "--workers-per-server must be at least 1, got 0"),
     (["--workers", "4", "--workers-per-server", "2", "--intra-bandwidth", "0bit"], "intra_bandwidth '0bit' must be"),
+    (["--workers", "4", "--strategies", "all"], "vgg16.graph.txt does not record its batch size (as PipeDream's "
+     "graph.txt files do not), so samples/s are unknown; give it with --batch-size B"),
+    (["--workers", "4", "--strategies", "all", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--workers", "4", "--batch-size", "64"], "--batch-size prices samples/s for --strategies"),
 ])
 def test_cli_plan_options(capsys, options, words):
     assert words in run(capsys, "plan", VGG16, *options)
+
+
+def test_cli_plan_strategies_of_a_graph_take_the_batch_size_given(capsys):
+    """A PipeDream graph's times are taken as measured at --batch-size: twice the batch, twice the
+    samples/s of the same plan and of ddp."""
+    def predictions(batch: int) -> dict[str, float]:
+        assert cli.main(["plan", str(VGG16), "--workers", "4", "--bandwidth", "1Gbit", "--strategies", "pipeline,ddp",
+                         "--batch-size", str(batch), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["choice"] == "pipeline"
+        return out["predictions"]
+
+    small, large = predictions(64), predictions(128)
+    assert large["pipeline"] == pytest.approx(2 * small["pipeline"]) and large["ddp"] == pytest.approx(2 * small["ddp"])
 
 
 def test_plan_api_names_the_argument():

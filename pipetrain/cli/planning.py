@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-compression", action="store_true", help="--strategies: may pick trunc16 or quant8")
     p.add_argument("--one-machine", action="store_true", help="--strategies: the workers share one machine (cgdp "
                                                               "competes), linked at --bandwidth")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="--strategies: samples per minibatch, for samples/s (default: the profile's; a PipeDream "
+                        "graph.txt records none)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="predict a pipeline's or a data-parallel strategy's throughput from a profile")
@@ -94,6 +97,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-json", help="write a Chrome trace here (open in ui.perfetto.dev)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_simulate)
+
+
+def _know_batch_size(args: argparse.Namespace, profile: Profile) -> None:
+    """One line where samples/s cannot be priced: neither ``--batch-size`` nor the profile gives a batch size."""
+    if not (args.batch_size or profile.batch_size):
+        raise ValueError(f"{args.profile} does not record its batch size (as PipeDream's graph.txt files do not), "
+                         "so samples/s are unknown; give it with --batch-size B")
 
 
 def _at_least(args: argparse.Namespace, **minimum: float) -> None:
@@ -151,7 +161,10 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    _at_least(args, workers=1, workers_per_server=1)
+    _at_least(args, workers=1, workers_per_server=1, batch_size=1)
+    if args.batch_size is not None and args.strategies is None:
+        raise ValueError("--batch-size prices samples/s for --strategies; a pipeline plan alone is timed per "
+                         "minibatch of the profile (drop --batch-size, or add --strategies all)")
     profile = Profile.load(args.profile)
     if args.strategies is not None:
         return _choose(args, profile)
@@ -173,9 +186,10 @@ def _choose(args: argparse.Namespace, profile: Profile) -> None:
     if args.output or args.straight or args.memory or args.workers_per_server or args.fewer_workers:
         raise ValueError("--strategies predicts and picks a strategy; drop -o, --straight, --memory, "
                          "--workers-per-server and --fewer-workers (plan the pipeline alone without --strategies)")
+    _know_batch_size(args, profile)
     names = None if args.strategies == "all" else [n.strip() for n in args.strategies.split(",") if n.strip()]
-    choice = choose_strategy(profile, args.workers, args.bandwidth, one_machine=args.one_machine,
-                             allow_compression=args.allow_compression, strategies=names)
+    choice = choose_strategy(profile, args.workers, args.bandwidth, batch_size=args.batch_size,
+                             one_machine=args.one_machine, allow_compression=args.allow_compression, strategies=names)
     if args.json:
         print(json.dumps(choice.to_dict()))
         return
@@ -259,9 +273,7 @@ def _simulate_data_parallel(args: argparse.Namespace) -> None:
         raise ValueError(f"--strategy {args.strategy} takes --workers N (each worker holds the whole model), "
                          "not --plan, --stages, --straight or --microbatches")
     profile = Profile.load(args.profile)
-    if not (args.batch_size or profile.batch_size):
-        raise ValueError(f"{args.profile} does not record its batch size (as PipeDream's graph.txt files do not), "
-                         "so samples/s are unknown; give it with --batch-size B")
+    _know_batch_size(args, profile)
     if args.strategy == "cgdp":
         return _simulate_cgdp(args, profile)
     link = Link(parse_bandwidth(args.bandwidth), args.latency)
