@@ -221,14 +221,14 @@ class _Sim:
 
     def __init__(self, schedule: Schedule, stages: list[StageCost], link: Link,
                  update_s: Sequence[float] | None, sync_s: Sequence[float] | None, setup: Setup | None,
-                 shares: Sequence[float] | None = None, others: Sequence[Sequence[float]] | None = None,
-                 contention: float | None = None) -> None:
+                 contention: float, shares: Sequence[float] | None = None,
+                 others: Sequence[Sequence[float]] | None = None) -> None:
         self.sched, self.costs, self.link, self.setup = schedule, stages, link, setup
         self.shares = shares  # each worker's share of the time computing, from a pass before (None: all)
         self.others = others  # per worker and action, the other workers' share computing meanwhile (None: all)
         self.slowdown = 1.0 if setup is None else setup.slowdown
         # the part of slowdown that is all the workers computing at once (the rest: a step over its layers)
-        self.contention = self.slowdown if contention is None else contention
+        self.contention = contention
         # a given update_s (per stage) is taken as the time it takes; the profile's is the optimizer alone
         self.update_s = None if update_s is None else list(update_s)
         n = schedule.num_workers
@@ -442,7 +442,7 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         raise ValueError(f"{len(sync_s)} sync times for a {schedule.num_stages}-stage schedule; give one per stage")
     per_stage = stage_costs(profile, boundaries, batch_size)
     updates = None if update_s is None else [update_s] * schedule.num_stages
-    contention = None if profile.setup is None else profile.setup.slowdown  # before a step's slowdown replaces it
+    contention = 1.0 if profile.setup is None else profile.setup.slowdown  # before a step's slowdown replaces it
     if schedule.sharded:  # each of r workers computes on its 1/r of the minibatch
         per_stage = [c.share(schedule.replicas[0]) for c in per_stage]
     elif profile.setup is not None and (schedule.num_stages == 1 or schedule.microbatches > 1):
@@ -471,7 +471,7 @@ SHARE_PASSES = 8
 
 
 def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: Sequence[float] | None,
-         sync_s: Sequence[float] | None, setup: Setup | None, contention: float | None = None) -> _Sim:
+         sync_s: Sequence[float] | None, setup: Setup | None, contention: float) -> _Sim:
     """The simulation run to its end, in passes where what a pass prices follows the pass before.
 
     * With a set-up that measured a message idle as well as busy, each message's latency follows how
@@ -487,13 +487,12 @@ def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: Sequ
     takes the shares from the one before, averaged with those it was given (a longer latency lowers
     the shares that priced it, so the undamped passes swing), until the makespan moves less than 0.1%
     or :data:`SHARE_PASSES` passes. A schedule of one stage runs one pass."""
-    sim = _Sim(schedule, stages, link, update_s, sync_s, setup, contention=contention)
+    sim = _Sim(schedule, stages, link, update_s, sync_s, setup, contention)
     sim.run()
     if setup is None or schedule.num_stages == 1:
         return sim
     latency_follows = setup.idle_latency_s > 0
-    compute_follows = (setup.slowdown if contention is None else contention) > 1 and \
-        setup.cores >= setup.workers * setup.threads
+    compute_follows = contention > 1 and setup.cores >= setup.workers * setup.threads
     if not (latency_follows or compute_follows):
         return sim
     shares: list[float] | None = None
@@ -507,7 +506,7 @@ def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: Sequ
             found = sim.others_computing()
             others = found if others is None else [[(a + b) / 2 for a, b in zip(mine, new)]
                                                    for mine, new in zip(others, found)]
-        sim = _Sim(schedule, stages, link, update_s, sync_s, setup, shares, others, contention)
+        sim = _Sim(schedule, stages, link, update_s, sync_s, setup, contention, shares, others)
         sim.run()
         if abs(max(sim.clock, default=0.0) - makespan) <= 1e-3 * makespan:
             break
