@@ -7,8 +7,8 @@ from pipetrain.profiling import Profile
 from pipetrain.profiling import profile_model as profile
 from pipetrain.runtime.checkpoint import CheckpointError
 from pipetrain.runtime.checkpoint import assemble as load_checkpoint
-from pipetrain.runtime.job import PipetrainWarning
-from pipetrain.runtime.launch import PipetrainError
+from pipetrain.errors import PipetrainWarning
+from pipetrain.errors import PipetrainError
 from pipetrain.registry import build_data_parallel, build_schedule
 from pipetrain.schedule import Action, Schedule
 from pipetrain.simulate import Link, SimResult, simulate

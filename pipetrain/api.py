@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from pipetrain.errors import one_line
+from pipetrain.errors import PipetrainError, one_line, warn
 from pipetrain.layers import LayerError, LayeredModel
 from pipetrain.planning import Plan, check_fits, plan
 from pipetrain.planning.choose import Choice, choose_strategy, predict_plan
@@ -23,8 +23,9 @@ from pipetrain.planning.units import parse_bandwidth
 from pipetrain.profiling import Profile, as_minibatch, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, lookup
 from pipetrain.runtime import checkpoint
-from pipetrain.runtime.job import JobConfig, describe, init_distributed, metrics_log, run_rank, warn
-from pipetrain.runtime.launch import PipetrainError, spawn, under_torchrun
+from pipetrain.runtime.dist import init_distributed
+from pipetrain.runtime.job import JobConfig, describe, metrics_log, run_rank
+from pipetrain.runtime.launch import spawn, under_torchrun
 from pipetrain.runtime.worker import collate_parts, per_epoch
 from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.simulate import Link

@@ -1,7 +1,11 @@
-"""One-line reports of other code's errors, for the one-line errors of ours that wrap them."""
+"""pipetrain's error and warning types, and one-line reports of other code's errors for ours that wrap them."""
 from __future__ import annotations
 
-__all__ = ["first_line", "one_line"]
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PipetrainError", "PipetrainWarning", "first_line", "one_line", "warn"]
 
 
 def first_line(e: BaseException, limit: int | None = 200) -> str:
@@ -15,3 +19,34 @@ def one_line(e: BaseException, limit: int | None = 200) -> str:
     line = first_line(e, limit)
     name = type(e).__name__
     return name if line == name else f"{name}: {line}"
+
+
+class PipetrainError(RuntimeError):
+    """A job failed; the message says which worker and why.
+
+    Attributes:
+        kind: ``"error"`` (a worker raised: its own error, such as a bad loss), ``"died"`` (a worker
+            ended without one: killed, crashed), ``"silent"`` (a worker stopped showing signs of life),
+            ``"timeout"`` (the job ran past ``spawn``'s ``timeout``) or ``"unstarted"`` (a worker process
+            never began its task; ``spawn`` starts the job again).
+        rank: the worker the message is about, or None.
+        log: the file holding every failed worker's traceback (or, for a silent or timed-out job, every
+            running worker's Python stacks), or None.
+        history: what the run had recorded (``TrainResult.history`` records) when it failed.
+        checkpoint_epoch: the newest epoch every worker saved, or None.
+    """
+
+    def __init__(self, message: str, kind: str = "error", rank: int | None = None, log: Path | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.rank, self.log = kind, rank, log
+        self.history: list[dict[str, Any]] = []
+        self.checkpoint_epoch: int | None = None
+
+
+class PipetrainWarning(UserWarning):
+    """Something the user should know that does not stop the job (a damaged checkpoint skipped, ...)."""
+
+
+def warn(message: str) -> None:
+    """Warn with a :class:`PipetrainWarning` (the CLI prints these as one line)."""
+    warnings.warn(message, PipetrainWarning, stacklevel=2)

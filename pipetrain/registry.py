@@ -141,7 +141,8 @@ def build_schedule(name: str, replicas: Sequence[int], minibatches: int, microba
         raise ValueError(f"schedule {name!r} does not split minibatches; use microbatches=1 or {microbatched}")
     lists = gen.p2p_pass(replicas, spec.order(replicas, minibatches, microbatches))
     lists = gen.flush_sync(lists, microbatches) if spec.flush else gen.step_sync(lists, replicas)
-    return Schedule(name, tuple(replicas), tuple(map(tuple, lists)), microbatches, gen.noam(replicas))
+    return Schedule(name, tuple(replicas), tuple(map(tuple, lists)), microbatches, gen.noam(replicas),
+                    stashes=spec.weights == "stash")
 
 
 def build_data_parallel(name: str, workers: int, minibatches: int, staleness: int = 1) -> Schedule:

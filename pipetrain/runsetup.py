@@ -428,7 +428,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     is timed at beside 1 element."""
     import torch.distributed as dist
 
-    from pipetrain.runtime.job import init_distributed
+    from pipetrain.runtime.dist import init_distributed
     from pipetrain.runtime.transport import Transport
 
     torch.set_num_threads(threads)

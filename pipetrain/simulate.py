@@ -62,7 +62,7 @@ from pipetrain.costs import dp_sync_bytes
 from pipetrain.layers import check_boundaries
 from pipetrain.profiling import Profile
 from pipetrain.runsetup import Setup, torch_threads
-from pipetrain.registry import SCHEDULES, STRATEGIES, build_data_parallel, lookup
+from pipetrain.registry import STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
 from pipetrain.strategies.allreduce import buckets, last_bucket_bytes
 from pipetrain.strategies.compression import Codec
@@ -240,7 +240,7 @@ class _Sim:
         self.sync_started: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)  # (stage, k) -> w: t
         self.sync_end: dict[tuple[int, int], float] = {}  # (stage, k) -> when the k-th sync ended
         self.starts, self.waits, self.updates = [0] * n, [0] * n, [0] * n
-        self.stashes = SCHEDULES[schedule.name].weights == "stash" if schedule.name in SCHEDULES else False
+        self.stashes = schedule.stashes
         self.busy_s = [0.0] * n
         self.compute_s = [0.0] * n  # F, B and U: what holds a worker's core and interpreter
         self.update_end: list[list[float]] = [[] for _ in range(n)]

@@ -9,7 +9,7 @@ import torch
 
 from pipetrain.bench.peers import PeerConfig, ddp, no_sync, ps_sync, summarize, torch_pipeline
 from pipetrain.runtime import launch
-from pipetrain.runtime.launch import PipetrainError
+from pipetrain.errors import PipetrainError
 
 # mnist-mlp at 784-16-16-10: 13,002 parameters. Layers: Flatten, Linear, ReLU, Linear, ReLU, Linear.
 TINY = PeerConfig(model="mnist-mlp", model_kwargs={"hidden": (16, 16)}, batch_size=16, warmup=1, windows=2,

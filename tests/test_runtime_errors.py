@@ -10,7 +10,8 @@ from torch import nn
 
 import pipetrain
 from pipetrain.data import regression
-from pipetrain.runtime.launch import PipetrainError, _spawn_once, spawn
+from pipetrain.errors import PipetrainError
+from pipetrain.runtime.launch import _spawn_once, spawn
 from pt_models import FaultAt, Untraceable, mlp, nan_loss
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05)

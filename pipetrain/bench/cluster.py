@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from pipetrain.planning.units import parse_bandwidth
-from pipetrain.runtime.launch import PipetrainError
+from pipetrain.errors import PipetrainError
 
 
 class ClusterError(RuntimeError):

@@ -88,7 +88,7 @@ def parse_stages(text: str) -> list[int | str]:
 def one_line_warnings(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                       file: Any = None, line: str | None = None) -> None:
     """pipetrain's warnings as one line each on stderr (others as Python prints them)."""
-    from pipetrain.runtime.job import PipetrainWarning
+    from pipetrain.errors import PipetrainWarning
 
     if issubclass(category, PipetrainWarning):
         print(f"pipetrain: warning: {message}", file=sys.stderr)

@@ -4,10 +4,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +14,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from pipetrain.errors import one_line
+from pipetrain.errors import one_line, warn
 from pipetrain.layers import LayeredModel, check_boundaries
 from pipetrain.registry import (
     DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, StrategySpec, build_data_parallel, build_schedule, lookup,
 )
 from pipetrain.runtime import checkpoint
-from pipetrain.runtime.launch import keep_freed_memory, loopback_store
+from pipetrain.runtime.dist import init_distributed
+from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import (
@@ -350,37 +349,6 @@ def edges(replicas: list[int]) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def _device() -> tuple[torch.device, str]:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device()), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
-def init_distributed(timeout: float) -> torch.device:
-    """Join the job's process group (NCCL when this worker has a GPU, else gloo); return the device.
-    Locally launched workers meet on 127.0.0.1 only (:func:`pipetrain.runtime.launch.loopback_store`)."""
-    device, backend = _device()
-    if dist.is_initialized():
-        return device
-    rank, world, wait = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timedelta(seconds=timeout)
-    if os.environ.get("PIPETRAIN_SPAWNED") == "1":
-        store = loopback_store(rank, world, int(os.environ["MASTER_PORT"]), timeout)
-    elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        # [Note: torchrun restarts] torchrun's default (static) rendezvous hands every restart the same
-        # store, where the previous round's addresses would mislead the new round's process group;
-        # each round meets under its own prefix
-        host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, host, wait)
-        store = dist.PrefixStore(f"pipetrain/round{os.environ['TORCHELASTIC_RESTART_COUNT']}", base)
-    else:
-        dist.init_process_group(backend, timeout=wait)
-        return device
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
-    return device
-
-
 def run_rank(cfg: JobConfig) -> dict[str, Any]:
     """Train this rank's part; return its state, history (reporting ranks) and trace, as plain data."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -598,14 +566,6 @@ def _set_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-class PipetrainWarning(UserWarning):
-    """Something the user should know that does not stop the job (a damaged checkpoint skipped, ...)."""
-
-
-def warn(message: str) -> None:
-    warnings.warn(message, PipetrainWarning, stacklevel=2)
 
 
 PRECISIONS = ("fp32", "bf16")

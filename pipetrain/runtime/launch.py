@@ -32,29 +32,7 @@ from typing import Any
 
 import torch
 
-from pipetrain.errors import first_line, one_line
-
-
-class PipetrainError(RuntimeError):
-    """A job failed; the message says which worker and why.
-
-    Attributes:
-        kind: ``"error"`` (a worker raised: its own error, such as a bad loss), ``"died"`` (a worker
-            ended without one: killed, crashed), ``"silent"`` (a worker stopped showing signs of life),
-            ``"timeout"`` (the job ran past ``spawn``'s ``timeout``) or ``"unstarted"`` (a worker process
-            never began its task; ``spawn`` starts the job again).
-        rank: the worker the message is about, or None.
-        log: the file holding every failed worker's traceback (or, for a silent or timed-out job, every
-            running worker's Python stacks), or None.
-        history: what the run had recorded (``TrainResult.history`` records) when it failed.
-        checkpoint_epoch: the newest epoch every worker saved, or None.
-    """
-
-    def __init__(self, message: str, kind: str = "error", rank: int | None = None, log: Path | None = None) -> None:
-        super().__init__(message)
-        self.kind, self.rank, self.log = kind, rank, log
-        self.history: list[dict[str, Any]] = []
-        self.checkpoint_epoch: int | None = None
+from pipetrain.errors import PipetrainError, first_line, one_line
 
 
 def under_torchrun() -> bool:

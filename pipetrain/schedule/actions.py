@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pipetrain.layout import Layout
+
 FORWARD, BACKWARD = "F", "B"
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RF", "SF", "RB", "SB"
 START_SYNC, SYNC, UPDATE = "A", "S", "U"
@@ -72,6 +74,9 @@ class Schedule:
         noam: minibatches the input stage admits before its first backward.
         sharded: data parallelism: every worker of the (single) stage runs every minibatch on its
             1/r share of the samples, instead of replica ``mb mod r`` running the whole minibatch.
+        stashes: a stage keeps a weight version per minibatch in flight (weight stashing, PipeDream
+            §3.4): what the simulator prices the copy of a new version for.
+        layout: the ranks of each stage (:class:`pipetrain.layout.Layout`).
     """
 
     name: str
@@ -80,33 +85,30 @@ class Schedule:
     microbatches: int = 1
     noam: int = 1
     sharded: bool = False
-    _stage_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    stashes: bool = False
+    layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        stage_of = tuple(s for s, r in enumerate(self.replicas) for _ in range(r))
-        object.__setattr__(self, "_stage_of", stage_of)
-        if len(self.actions) != len(stage_of):
-            raise ValueError(f"{len(self.actions)} action lists for {len(stage_of)} workers")
-        if self.sharded and len(self.replicas) != 1:
-            raise ValueError(f"a sharded (data-parallel) schedule has one stage, not {len(self.replicas)}")
+        object.__setattr__(self, "layout", Layout(self.replicas, sharded=self.sharded))
+        if len(self.actions) != self.layout.world:
+            raise ValueError(f"{len(self.actions)} action lists for {self.layout.world} workers")
 
     @property
     def num_stages(self) -> int:
-        return len(self.replicas)
+        return self.layout.num_stages
 
     @property
     def num_workers(self) -> int:
-        return len(self._stage_of)
+        return self.layout.world
 
     def stage_of(self, worker: int) -> int:
-        return self._stage_of[worker]
+        return self.layout.stage_of(worker)
 
     def first_worker(self, stage: int) -> int:
-        return sum(self.replicas[:stage])
+        return self.layout.first_rank(stage)
 
     def worker_for(self, stage: int, mb: int) -> int:
-        """The replica of ``stage`` that runs minibatch ``mb``: round robin, mb mod replicas (§3.3)."""
-        return self.first_worker(stage) + mb % self.replicas[stage]
+        return self.layout.worker_for(stage, mb)
 
     def peer(self, worker: int, action: Action) -> int | None:
         """The worker on the other end of a send or receive action, else None."""
@@ -120,7 +122,8 @@ class Schedule:
     def to_text(self) -> str:
         """One line per worker, e.g. ``w0: F0 SF0 F1 SF1 RB0 B0 U0 ...``; round-trips with from_text."""
         head = f"# {self.name} replicas={','.join(map(str, self.replicas))} " \
-               f"microbatches={self.microbatches} noam={self.noam} sharded={int(self.sharded)}"
+               f"microbatches={self.microbatches} noam={self.noam} sharded={int(self.sharded)} " \
+               f"stashes={int(self.stashes)}"
         rows = [f"w{w}: " + " ".join(map(str, acts)) for w, acts in enumerate(self.actions)]
         return "\n".join([head, *rows])
 
@@ -131,4 +134,5 @@ class Schedule:
         name = lines[0].split()[1]
         actions = tuple(tuple(Action.parse(a) for a in ln.split(":", 1)[1].split()) for ln in lines[1:])
         return Schedule(name, tuple(int(r) for r in head["replicas"].split(",")), actions,
-                        int(head["microbatches"]), int(head["noam"]), bool(int(head.get("sharded", "0"))))
+                        int(head["microbatches"]), int(head["noam"]), bool(int(head.get("sharded", "0"))),
+                        bool(int(head.get("stashes", "0"))))
