@@ -76,7 +76,7 @@ from pipetrain import data, zoo
 from pipetrain.bench.load import LoadSampler, quietly
 from pipetrain.bench.suite import PIPE_SGD
 from pipetrain.runtime.launch import spawn
-from pipetrain.runtime.worker import epoch_order
+from pipetrain.batches import epoch_order
 
 SYSTEMS = ("sequential", "ddp", "pipedream", "pipedream+vs", "naive", *PIPE_SGD)
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from pipetrain.layers import LayeredModel
 from pipetrain.runsetup import Setup
-from pipetrain.runtime.worker import collate_parts
+from pipetrain.batches import collate_parts
 
 FORMAT, VERSION = "pipetrain-profile", 1
 

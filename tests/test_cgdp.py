@@ -47,9 +47,9 @@ def reference(net: nn.Module, epochs: int = EPOCHS) -> list[torch.Tensor]:
     return [p.detach() for p in net.parameters()]
 
 
-def train(net: nn.Module | None = None, **kw) -> pipetrain.TrainResult:
+def train(net: nn.Module | None = None, chunk: int | str = "auto", **kw) -> pipetrain.TrainResult:
     args = dict(loss_fn=nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
-                strategy="cgdp", workers=2, batch_size=BATCH, epochs=EPOCHS, shuffle=False, timeout=60)
+                strategy=pipetrain.CGDP(chunk=chunk), workers=2, batch_size=BATCH, epochs=EPOCHS, shuffle=False, timeout=60)
     return pipetrain.train(net if net is not None else model(), dataset(), **{**args, **kw})
 
 
@@ -148,15 +148,15 @@ def test_no_shared_memory_file_is_left_behind() -> None:
     assert set(cgdp_module.HOST_MEMORY.glob("pipetrain-cgdp-*")) == before
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(chunk=0), "chunk=0: give the layers per chunk (an integer >= 1) or 'auto'"),
-    (dict(chunk="best"), "chunk='best': give the layers per chunk"),
-    (dict(strategy="ddp", chunk=2), "chunk applies to strategy 'cgdp', not 'ddp'"),
-    (dict(workers=4), "batch_size 6 does not split into 4 equal shards"),
+@pytest.mark.parametrize("call,message", [
+    (lambda: pipetrain.CGDP(chunk=0), "chunk=0: give the layers per chunk (an integer >= 1) or 'auto'"),
+    (lambda: pipetrain.CGDP(chunk="best"), "chunk='best': give the layers per chunk"),
+    (lambda: pipetrain.registry.make("strategy", "ddp", {"chunk": 2}), "chunk applies to strategy 'cgdp', not 'ddp'"),
+    (lambda: train(workers=4), "batch_size 6 does not split into 4 equal shards"),
 ])
-def test_bad_arguments_are_one_line_errors(kw: dict, message: str) -> None:
+def test_bad_arguments_are_one_line_errors(call, message: str) -> None:
     with pytest.raises(ValueError) as e:
-        train(**kw)
+        call()
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -180,8 +180,7 @@ def test_the_chunk_search_hears_every_iteration_when_the_last_chunk_comes_back_i
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         net = model()
-        sync = cgdp_module.cgdp(SyncContext(rank=0, replicas=(1,), device=torch.device("cpu"), timeout=20,
-                                            chunk="auto"))
+        sync = cgdp_module.cgdp(SyncContext(rank=0, replicas=(1,), device=torch.device("cpu"), timeout=20), "auto")
         sync.wrap(net)
         real_ready = sync._done.ready
 

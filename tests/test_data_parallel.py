@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import pipetrain
+from pipetrain.registry import make
 from pipetrain.runtime import checkpoint
 from pt_models import FaultAt
 
@@ -57,7 +58,7 @@ def reference(workers: int, staleness: int, warmup_epochs: int) -> list[torch.Te
     return [w1, b1, w2, b2]
 
 
-def train(strategy: str = "pipe-sgd", **kw) -> pipetrain.TrainResult:
+def train(strategy: str | pipetrain.registry.Strategy = "pipe-sgd", **kw) -> pipetrain.TrainResult:
     net, data = kw.pop("net", None) or model(), kw.pop("data", None) or dataset()
     args = dict(loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
                 strategy=strategy, workers=2, batch_size=BATCH, epochs=EPOCHS, shuffle=False, timeout=60)
@@ -73,7 +74,7 @@ def assert_same(result: pipetrain.TrainResult, want: list[torch.Tensor], tol: fl
 @pytest.mark.parametrize("staleness", [1, 2, 3])
 @pytest.mark.parametrize("workers", [2, 3])
 def test_pipe_sgd_is_exact(workers: int, staleness: int, warmup_epochs: int) -> None:
-    result = train(workers=workers, staleness=staleness, warmup_epochs=warmup_epochs)
+    result = train(pipetrain.PipeSGD(staleness=staleness, warmup_epochs=warmup_epochs), workers=workers)
     assert_same(result, reference(workers, staleness, warmup_epochs))
     # one record per update, the loss of the whole minibatch
     assert [h["step"] for h in result.history] == list(range(1, EPOCHS * N_MB + 1))
@@ -98,7 +99,7 @@ def test_ddp_is_plain_minibatch_sgd() -> None:
 
 def test_loss_in_history_is_the_minibatch_mean() -> None:
     """The loss recorded for update 1 (before any update) is the full minibatch's loss at W[0]."""
-    result = train(staleness=2)
+    result = train(pipetrain.PipeSGD(staleness=2))
     x, y = dataset().tensors
     with torch.no_grad():
         want = torch.nn.functional.mse_loss(model()(x[:BATCH]), y[:BATCH]).item()
@@ -107,7 +108,7 @@ def test_loss_in_history_is_the_minibatch_mean() -> None:
 
 def test_adam_counts_real_updates_only(tmp_path) -> None:
     """No zero gradient is ever applied: Adam's step count equals the minibatches trained."""
-    train(staleness=3, optimizer=functools.partial(torch.optim.Adam, lr=1e-3), checkpoint_dir=tmp_path)
+    train(pipetrain.PipeSGD(staleness=3), optimizer=functools.partial(torch.optim.Adam, lr=1e-3), checkpoint_dir=tmp_path)
     for rank in range(2):
         state = torch.load(checkpoint.path(tmp_path, rank, EPOCHS - 1), weights_only=True)
         assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {EPOCHS * N_MB}
@@ -115,8 +116,8 @@ def test_adam_counts_real_updates_only(tmp_path) -> None:
 
 def test_resume_continues_exactly(tmp_path) -> None:
     """A run stopped after epoch 0 and resumed ends where an uninterrupted run does."""
-    train(staleness=2, epochs=1, checkpoint_dir=tmp_path)
-    resumed = train(staleness=2, checkpoint_dir=tmp_path, resume=True)
+    train(pipetrain.PipeSGD(staleness=2), epochs=1, checkpoint_dir=tmp_path)
+    resumed = train(pipetrain.PipeSGD(staleness=2), checkpoint_dir=tmp_path, resume=True)
     assert [h["step"] for h in resumed.history] == list(range(1, EPOCHS * N_MB + 1))  # whole: epoch 0 from the checkpoint
     assert_same(resumed, reference(2, 2, 0))
     with pytest.raises(ValueError, match=r"belongs to another job \(strategy: saved pipe-sgd, this job ddp\)"):
@@ -129,8 +130,8 @@ def test_compressed_ring_trains_and_really_compresses(codec: str) -> None:
     differ from the uncompressed run, and fewer bytes cross than without compression."""
     sgd = functools.partial(torch.optim.SGD, lr=0.01)
     plain = train(net=model(torch.float32, 512), data=dataset(torch.float32), epochs=3, optimizer=sgd)
-    packed = train(net=model(torch.float32, 512), data=dataset(torch.float32), epochs=3, optimizer=sgd,
-                   compression=codec)
+    packed = train(pipetrain.PipeSGD(compression=codec), net=model(torch.float32, 512), data=dataset(torch.float32),
+                   epochs=3, optimizer=sgd)
     losses = [h["loss"] for h in packed.history]
     assert sum(losses[-N_MB:]) < sum(losses[:N_MB])
     assert any((a - b).abs().max() > 0 for a, b in zip(plain.model.parameters(), packed.model.parameters()))
@@ -140,27 +141,30 @@ def test_compressed_ring_trains_and_really_compresses(codec: str) -> None:
 
 
 BAD = [
-    (dict(strategy="horovod"), "unknown strategy 'horovod'; choose one of pipeline, ddp, pipe-sgd"),
-    (dict(compression="zip"), "unknown codec 'zip'"),
-    (dict(staleness=0), "staleness=0 must be at least 1"),
-    (dict(compression="quant8"), "works on float32 gradients, but the model's parameters are torch.float64"),
-    (dict(stages=[0, 2]), "stages applies to strategy 'pipeline', not 'pipe-sgd'"),
-    (dict(schedule="gpipe"), "schedule applies to strategy 'pipeline'"),
-    (dict(microbatches=2), "microbatches applies to strategy 'pipeline'"),
-    (dict(strategy="ddp", staleness=2), "staleness applies to strategy 'pipe-sgd', not 'ddp'"),
-    (dict(strategy="ddp", compression="trunc16"), "compression applies to strategy 'pipe-sgd', not 'ddp'"),
-    (dict(strategy="pipeline", stages=[0, 2], workers=None, staleness=2), "staleness applies to strategy 'pipe-sgd'"),
-    (dict(strategy="pipeline", workers=None), "strategy='pipeline' needs stages"),
-    (dict(workers=4), "batch_size 6 does not split into 4 equal shards"),
-    (dict(workers=None), "strategy 'pipe-sgd' needs workers=N"),
-    (dict(warmup_epochs=-1), "warmup_epochs=-1 must be >= 0"),
+    (lambda: train("horovod"), "unknown strategy 'horovod'; choose one of auto, pipeline, ddp, pipe-sgd"),
+    (lambda: pipetrain.PipeSGD(compression="zip"), "unknown codec 'zip'"),
+    (lambda: pipetrain.PipeSGD(staleness=0), "staleness=0 must be an integer >= 1"),
+    (lambda: pipetrain.PipeSGD(warmup_epochs=-1), "warmup_epochs=-1 must be an integer >= 0"),
+    (lambda: train(pipetrain.PipeSGD(compression="quant8")),
+     "works on float32 gradients, but the model's parameters are torch.float64"),
+    (lambda: train(stages=[0, 2]), "stages applies to strategy 'pipeline', not 'pipe-sgd'"),
+    (lambda: train(schedule="gpipe"), "schedule applies to strategy 'pipeline'"),
+    (lambda: train(schedule=pipetrain.GPipe(microbatches=2)), "schedule applies to strategy 'pipeline'"),
+    (lambda: train("pipeline", workers=None), "strategy='pipeline' needs stages"),
+    (lambda: train(workers=4), "batch_size 6 does not split into 4 equal shards"),
+    (lambda: train(workers=None), "strategy='pipe-sgd' needs workers=N"),
+    # the CLI's flags name options by themselves: one given to the wrong strategy is refused
+    (lambda: make("strategy", "ddp", {"staleness": 2}), "staleness applies to strategy 'pipe-sgd', not 'ddp'"),
+    (lambda: make("strategy", "ddp", {"compression": "trunc16"}), "compression applies to strategy 'pipe-sgd', not "
+                                                                  "'ddp'"),
+    (lambda: make("strategy", "pipeline", {"staleness": 2}), "staleness applies to strategy 'pipe-sgd'"),
 ]
 
 
-@pytest.mark.parametrize("kw,message", BAD, ids=[m.split()[0] + str(i) for i, (_, m) in enumerate(BAD)])
-def test_bad_arguments_are_one_line_errors(kw: dict, message: str) -> None:
+@pytest.mark.parametrize("call,message", BAD, ids=[m.split()[0] + str(i) for i, (_, m) in enumerate(BAD)])
+def test_bad_arguments_are_one_line_errors(call, message: str) -> None:
     with pytest.raises(ValueError) as e:
-        train(**kw)
+        call()
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -223,10 +227,10 @@ def bn_reference(workers: int) -> dict[str, torch.Tensor]:
             "1.running_var": var[0], "3.weight": w2, "3.bias": b2}
 
 
-@pytest.mark.parametrize("strategy,kw", [("ddp", {}), ("cgdp", {"chunk": 1}), ("pipe-sgd", {"staleness": 1})])
-def test_batchnorm_statistics_are_the_workers_mean_after_each_epoch(strategy: str, kw: dict) -> None:
+@pytest.mark.parametrize("strategy", [pipetrain.DDP(), pipetrain.CGDP(chunk=1), pipetrain.PipeSGD(staleness=1)])
+def test_batchnorm_statistics_are_the_workers_mean_after_each_epoch(strategy) -> None:
     """Workers' running statistics drift apart (each sees its own shard); they are averaged at every
     epoch's end, so the workers end identical (they used to fail the end-of-run check) and exact."""
-    state = train(strategy, net=bn_model(), **kw).model.state_dict()
+    state = train(strategy, net=bn_model()).model.state_dict()
     for key, want in bn_reference(2).items():
         torch.testing.assert_close(state[key], want, rtol=0, atol=1e-9, msg=key)

@@ -30,7 +30,7 @@ LAYOUTS = {
                                              StagePlan(10, 11, 1)], noam=3, stage_time_s=1.0, speedup_vs_one=1.0,
                                             speedup_vs_dp=1.0)),
     "ddp": dict(strategy="ddp", workers=2),
-    "pipe-sgd": dict(strategy="pipe-sgd", workers=3, staleness=2),
+    "pipe-sgd": dict(strategy=pipetrain.PipeSGD(staleness=2), workers=3),
     "cgdp": dict(strategy="cgdp", workers=2),
 }
 

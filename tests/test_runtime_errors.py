@@ -11,6 +11,7 @@ from torch import nn
 import pipetrain
 from pipetrain.data import regression
 from pipetrain.errors import PipetrainError
+from pipetrain.registry import make
 from pipetrain.runtime.launch import _spawn_once, spawn
 from pt_models import FaultAt, Untraceable, mlp, nan_loss
 
@@ -37,14 +38,18 @@ def test_bad_stage_boundaries(stages, match):
 
 def test_batch_not_divisible_by_microbatches():
     with pytest.raises(ValueError, match="batch_size 4 is not divisible by microbatches 3"):
-        train(schedule="gpipe", microbatches=3)
+        train(schedule=pipetrain.GPipe(microbatches=3))
 
 
 def test_unknown_schedule_and_misplaced_options():
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
         train(schedule="zigzag")
-    with pytest.raises(ValueError, match="vertical_sync applies to the 'pipedream' schedule"):
-        train(schedule="gpipe", vertical_sync=True)
+    with pytest.raises(ValueError, match="vertical_sync applies to schedule 'pipedream', not 'gpipe'"):
+        make("schedule", "gpipe", {"vertical_sync": True})
+    with pytest.raises(ValueError, match="microbatches applies to schedule 'gpipe' or '1f1b-flush', not 'pipedream'"):
+        make("schedule", "pipedream", {"microbatches": 2})
+    with pytest.raises(ValueError, match="microbatches=0 must be an integer >= 1"):
+        pipetrain.GPipe(microbatches=0)
 
 
 def test_world_size_must_match_the_stages(monkeypatch):

@@ -60,12 +60,12 @@ def reference(version, replicas=(1, 1, 1, 1)) -> list[tuple[torch.Tensor, torch.
     return [h[-1] for h in hist]
 
 
-def run(schedule: str, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run(schedule: str | pipetrain.registry.PipelineSchedule, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
     args = dict(loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
                 stages=STAGES, schedule=schedule, batch_size=BATCH, epochs=1, shuffle=False, seed=0, timeout=60)
     result = pipetrain.train(mlp(), dataset(), **{**args, **kw})
     assert [h["step"] for h in result.history] == list(range(1, N_MB + 1))
-    if schedule == "model-parallel":  # activations (B x 6 float64) forward, same-sized gradients back
+    if schedule in ("model-parallel", pipetrain.ModelParallel()):  # activations (B x 6 float64) forward, same-sized gradients back
         cut = BATCH * 6 * 8 * N_MB
         assert result.bytes_sent == [cut, 2 * cut, 2 * cut, cut]
     return [(m.weight.detach(), m.bias.detach()) for m in result.model if isinstance(m, torch.nn.Linear)]
@@ -94,12 +94,13 @@ def test_pipedream_weight_stashing_is_exact():
 
 
 def test_vertical_sync_is_exact():
-    assert_same(run("pipedream", vertical_sync=True), reference(vertical))
+    assert_same(run(pipetrain.PipeDream(vertical_sync=True)), reference(vertical))
 
 
-@pytest.mark.parametrize("schedule,micro", [("gpipe", 2), ("1f1b-flush", 4), ("model-parallel", 1)])
-def test_flush_schedules_are_plain_minibatch_sgd(schedule, micro):
-    assert_same(run(schedule, microbatches=micro), reference(plain))
+@pytest.mark.parametrize("schedule", [pipetrain.GPipe(microbatches=2), pipetrain.OneFOneBFlush(microbatches=4),
+                                      pipetrain.ModelParallel()], ids=str)
+def test_flush_schedules_are_plain_minibatch_sgd(schedule):
+    assert_same(run(schedule), reference(plain))
 
 
 def test_the_three_semantics_really_differ():

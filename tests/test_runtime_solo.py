@@ -9,9 +9,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset, default_collate
 
-from pipetrain.runtime.job import JobConfig
+from pipetrain.batches import collate_parts
+from pipetrain.config import JobConfig, RunOptions, Training
+from pipetrain.layout import Layout
+from pipetrain.registry import (
+    Auto, GPipe, PipeDream, Pipeline, PipelineSchedule, as_schedule, as_strategy, make,
+)
 from pipetrain.runtime.solo import run_stage_alone
-from pipetrain.runtime.worker import collate_parts
 from pipetrain.schedule import Action
 from pt_models import Residual
 
@@ -23,13 +27,20 @@ def tiny() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
-def job(model: nn.Module | None = None, **options) -> JobConfig:
+def job(schedule: str | PipelineSchedule | None = "pipedream", boundaries: list[int] | None = None,
+        replicas: list[int] | None = None, strategy: str = "pipeline", threads: int | None = None,
+        model: nn.Module | None = None, data: TensorDataset | None = None) -> JobConfig:
     g = torch.Generator().manual_seed(1)
     n = BATCH * MINIBATCHES
-    data = TensorDataset(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
-    options.setdefault("boundaries", [0, 2])
-    return JobConfig(model=model or tiny(), dataset=data, loss_fn=nn.functional.cross_entropy,
-                     optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=BATCH, shuffle=False, **options)
+    data = data or TensorDataset(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
+    training = Training(model=model or tiny(), dataset=data, loss_fn=nn.functional.cross_entropy,
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=BATCH, shuffle=False)
+    chosen = as_strategy(strategy)
+    assert not isinstance(chosen, Auto)
+    layout = Layout.data_parallel_on(replicas[0]) if chosen.data_parallel and replicas else \
+        Layout.pipeline(boundaries or [0, 2], replicas)
+    return JobConfig(training, RunOptions(threads=threads), chosen,
+                     as_schedule(schedule) if schedule is not None else None, layout)
 
 
 def check_order(cfg: JobConfig, records: list[tuple[str, float, float]], rank: int, minibatches: int) -> None:
@@ -44,18 +55,18 @@ def check_order(cfg: JobConfig, records: list[tuple[str, float, float]], rank: i
                                         ("naive", 1)])
 @pytest.mark.parametrize("stage", [0, 1])
 def test_each_stage_runs_its_schedule_alone(schedule, m, stage):
-    cfg = job(schedule=schedule, microbatches=m)
-    before = {k: v.clone() for k, v in cfg.model.state_dict().items()}
+    cfg = job(make("schedule", schedule, {"microbatches": m} if m > 1 else {}))
+    before = {k: v.clone() for k, v in cfg.training.model.state_dict().items()}
     records = run_stage_alone(cfg, stage, 4)
     check_order(cfg, records, stage, 4)
     kinds = {Action.parse(text).kind for text, _, _ in records}
     assert kinds == ({"F", "SF", "RB", "B", "U"} if stage == 0 else {"RF", "F", "B", "SB", "U"})
     assert not dist.is_initialized()  # no process group, no peers
-    assert all(torch.equal(v, before[k]) for k, v in cfg.model.state_dict().items())  # the caller's model is kept
+    assert all(torch.equal(v, before[k]) for k, v in cfg.training.model.state_dict().items())  # the caller's model is kept
 
 
 def test_whole_epoch_by_default_and_vertical_sync_gets_the_input_stages_versions():
-    cfg = job(schedule="pipedream", vertical_sync=True)
+    cfg = job(PipeDream(vertical_sync=True))
     check_order(cfg, run_stage_alone(cfg, 1), 1, MINIBATCHES)
 
 
@@ -63,33 +74,31 @@ def test_two_tensors_cross_the_cut():
     """An fx model cut inside a residual block: stage 1 receives a tuple and stage 0 its two gradients."""
     g = torch.Generator().manual_seed(2)
     data = TensorDataset(torch.randn(BATCH * 4, 4, generator=g), torch.randn(BATCH * 4, 3, generator=g))
-    cfg = JobConfig(model=Residual(), dataset=data, loss_fn=nn.functional.mse_loss,
-                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), boundaries=[0, 2, 4], schedule="gpipe",
-                    microbatches=2, batch_size=BATCH, shuffle=False)
+    training = Training(model=Residual(), dataset=data, loss_fn=nn.functional.mse_loss,
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=BATCH, shuffle=False)
+    cfg = JobConfig(training, RunOptions(), Pipeline(), GPipe(microbatches=2), Layout.pipeline([0, 2, 4]))
     for stage in range(3):
         check_order(cfg, run_stage_alone(cfg, stage), stage, 4)
 
 
 def test_replicas_sync_at_once():
-    cfg = job(schedule="pipedream", replicas=[2, 1])
+    cfg = job(replicas=[2, 1])
     records = run_stage_alone(cfg, 0, 4, replica=1)
     check_order(cfg, records, 1, 4)
     assert {"A", "S"} <= {Action.parse(text).kind for text, _, _ in records}
-    ddp = job(strategy="ddp", boundaries=None, replicas=[2])
+    ddp = job(None, strategy="ddp", replicas=[2])
     check_order(ddp, run_stage_alone(ddp, 0, 2, replica=1), 1, 2)
 
 
 def test_threads_restored_and_bad_requests_refused():
     threads = torch.get_num_threads()
-    cfg = job(schedule="pipedream", threads=1)
+    cfg = job(threads=1)
     run_stage_alone(cfg, 0, 2)
     assert torch.get_num_threads() == threads
     with pytest.raises(ValueError, match="stage 2 replica 0 is not in this job"):
         run_stage_alone(cfg, 2)
     with pytest.raises(ValueError, match="minibatches=7"):
         run_stage_alone(cfg, 0, 7)
-    with pytest.raises(ValueError, match="not resolved"):
-        run_stage_alone(job(schedule="pipedream", boundaries=None), 0)
 
 
 class Counted(torch.utils.data.Dataset):
@@ -121,10 +130,7 @@ def test_a_worker_that_builds_inputs_and_targets_fetches_each_item_once(batched)
     """One stage (every layer on one worker, as data parallelism too) builds a minibatch's inputs and
     targets from one fetch of each item; a pipeline's first and last stages fetch for their own part."""
     data = Counted(BATCH * MINIBATCHES, batched)
-    cfg = JobConfig(model=tiny(), dataset=data, loss_fn=nn.functional.cross_entropy,
-                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=BATCH, shuffle=False,
-                    boundaries=[0])
-    pipeline = JobConfig(**{**cfg.__dict__, "boundaries": [0, 2], "replicas": None})
+    cfg, pipeline = job(boundaries=[0], data=data), job(boundaries=[0, 2], data=data)
     for job_, stage in ((cfg, 0), (pipeline, 0), (pipeline, 1)):
         data.fetched.clear()
         data.batched_calls = 0

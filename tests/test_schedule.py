@@ -1,7 +1,7 @@
 """Schedules as data: exact orders, text round trip, deadlock freedom and in-flight counts."""
 import pytest
 
-from pipetrain.registry import build_schedule
+from pipetrain.registry import GPipe, OneFOneBFlush, build_schedule, make
 from pipetrain.schedule import Action, Schedule, ScheduleError, noam, validate
 
 # PipeDream Figure 8 (n = 4, NOAM = 4): compute order per stage, 0-based minibatch ids.
@@ -30,13 +30,13 @@ def test_pipedream_inserts_communication_and_one_update_per_minibatch():
 
 
 def test_gpipe_flushes_after_all_microbatches():
-    s = build_schedule("gpipe", [1, 1], 2, microbatches=2)
+    s = build_schedule(GPipe(microbatches=2), [1, 1], 2)
     assert " ".join(map(str, s.actions[0])) == (
         "F0.0 SF0.0 F0.1 SF0.1 RB0.0 B0.0 RB0.1 B0.1 U0 F1.0 SF1.0 F1.1 SF1.1 RB1.0 B1.0 RB1.1 B1.1 U1")
 
 
 def test_one_f_one_b_flush_order_within_minibatch():
-    s = build_schedule("1f1b-flush", [1, 1, 1], 1, microbatches=4)
+    s = build_schedule(OneFOneBFlush(microbatches=4), [1, 1, 1], 1)
     assert compute_only(s) == ["F0.0 F0.1 F0.2 B0.0 F0.3 B0.1 B0.2 B0.3",
                                "F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3",
                                "F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 F0.3 B0.3"]
@@ -56,7 +56,7 @@ def test_naive_has_the_pipedream_order():
                                         ("1f1b-flush", 1), ("model-parallel", 1)])
 @pytest.mark.parametrize("n", range(1, 9))
 def test_deadlock_free_and_in_flight_counts(name, micro, n):
-    s = build_schedule(name, [1] * n, 2 * n + 3, microbatches=micro)
+    s = build_schedule(make("schedule", name, {"microbatches": micro} if micro > 1 else {}), [1] * n, 2 * n + 3)
     peak = validate(s)["peak_in_flight"]
     if name in ("pipedream", "naive"):
         assert peak[0] == noam([1] * n) == n  # the input stage holds NOAM minibatches
@@ -103,5 +103,5 @@ def test_bad_arguments():
         build_schedule("gpipe", [2, 1], 2)
     with pytest.raises(ValueError, match="split evenly over replicas"):
         build_schedule("pipedream", [2, 1], 3)
-    with pytest.raises(ValueError, match="does not split minibatches"):
-        build_schedule("pipedream", [1, 1], 2, microbatches=2)
+    with pytest.raises(ValueError, match="microbatches applies to schedule 'gpipe' or '1f1b-flush'"):
+        make("schedule", "pipedream", {"microbatches": 2})

@@ -35,7 +35,7 @@ def test_auto_profiles_plans_and_runs():
 def test_auto_plans_a_straight_pipeline_for_a_schedule_that_cannot_replicate():
     # gpipe runs one worker per stage: the planner must not replicate a stage for it (it did, and the
     # prediction stopped the run with "runs straight pipelines only")
-    result = pipetrain.train(mlp(), data(), stages="auto", workers=2, schedule="gpipe", microbatches=2, **ARGS)
+    result = pipetrain.train(mlp(), data(), stages="auto", workers=2, schedule=pipetrain.GPipe(microbatches=2), **ARGS)
     assert result.plan.replicas == [1, 1] and result.predicted_samples_per_s > 0
     assert result.samples_per_s > 0
 

@@ -71,7 +71,7 @@ def assert_same(model: nn.Module, want: nn.Module) -> None:
 
 
 LAYOUTS = {"pipeline": PIPELINE, "ddp": dict(strategy="ddp", workers=2),
-           "pipe-sgd-sync": dict(strategy="pipe-sgd", workers=2, staleness=1)}
+           "pipe-sgd-sync": dict(strategy=pipetrain.PipeSGD(staleness=1), workers=2)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

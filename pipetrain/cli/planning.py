@@ -16,9 +16,9 @@ from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model, time_batching
-from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
+from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, Auto, as_strategy, make
 from pipetrain.runsetup import measure_setup, model_step, torch_threads
-from pipetrain.runtime.worker import collate_parts
+from pipetrain.batches import collate_parts
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
@@ -225,7 +225,11 @@ def _short(name: str, width: int = 28) -> str:
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     _at_least(args, workers=1, minibatches=1, microbatches=1, batch_size=1, latency=0, update_s=0, sync_latency=0)
-    if lookup(STRATEGIES, args.strategy, "strategy").data_parallel:
+    strategy = as_strategy(args.strategy)
+    if isinstance(strategy, Auto):
+        raise ValueError("simulate prices one strategy; to predict them all and pick one, run `pipetrain plan "
+                         "PROFILE --workers N --strategies all`")
+    if strategy.data_parallel:
         return _simulate_data_parallel(args)
     if args.staleness is not None or args.compression is not None:
         raise ValueError("--staleness and --compression apply to --strategy pipe-sgd, not to a pipeline")
@@ -245,7 +249,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         boundaries, replicas = chosen.boundaries, chosen.replicas
     lcm = math.lcm(*replicas)
     minibatches = args.minibatches or -(-32 // lcm) * lcm
-    schedule = build_schedule(args.schedule, replicas, minibatches, args.microbatches)
+    kind = make("schedule", args.schedule, {"microbatches": args.microbatches} if args.microbatches != 1 else {})
+    schedule = kind.build(replicas, minibatches)
     result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size,
                       update_s=args.update_s)
     names = [f"worker {w} (stage {schedule.stage_of(w)})" for w in range(schedule.num_workers)]

@@ -13,6 +13,11 @@ import torch
 from pipetrain.cli.common import (
     add_optimizer_options, call_factory, load_loss, load_object, optimizer_of, parse_stages,
 )
+from pipetrain import data, zoo
+from pipetrain.api import train
+from pipetrain.metrics import METRICS, accuracy, plot_log
+from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, Auto, make
+from pipetrain.strategies.compression import CODECS
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``demo`` subcommands."""
@@ -68,12 +73,8 @@ def _check_output(path: str | None, option: str, directory: bool = False) -> Non
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
-    from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES
-    from pipetrain.strategies.compression import CODECS
-
     p.add_argument("--strategy", default="pipeline",
-                   help="auto: profile, measure this machine, predict every strategy for --workers and train the "
-                        "fastest; " + "; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values())
+                   help=f"{Auto.name}: {Auto.summary}; " + "; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values())
                         + " (default pipeline)")
     p.add_argument("--allow-compression", action="store_true",
                    help="--strategy auto: may pick a codec that changes the arithmetic (trunc16, quant8)")
@@ -114,22 +115,18 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    import pipetrain
-
     _check_output(args.save, "--save")
     _check_output(args.trace, "--trace", directory=True)
     loss_fn, optimizer = load_loss(args.loss), optimizer_of(args)
     model = call_factory(args.model, "model")
     dataset = call_factory(args.data, "data")
-    result = pipetrain.train(
-        model, dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=args.strategy,
+    strategy, schedule = _strategy_and_schedule(args)
+    result = train(
+        model, dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=strategy, schedule=schedule,
         stages=parse_stages(args.stages) if args.stages is not None else args.plan, workers=args.workers,
-        bandwidth=args.bandwidth, schedule=args.schedule, vertical_sync=args.vertical_sync,
-        microbatches=args.microbatches, staleness=args.staleness, compression=args.compression,
-        warmup_epochs=args.warmup_epochs, chunk=args.chunk, batch_size=args.batch_size, epochs=args.epochs,
+        bandwidth=args.bandwidth, batch_size=args.batch_size, epochs=args.epochs,
         shuffle=not args.no_shuffle, seed=args.seed, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
-        allow_compression=args.allow_compression,
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
         metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
         clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir)
@@ -149,12 +146,28 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"wrote {args.trace}/trace.json and {args.trace}/timeline.png")
 
 
+def _strategy_and_schedule(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The strategy and schedule objects the flags name, each with the options given to it; an option
+    given to a strategy or schedule that does not take it is refused in one line."""
+    given = {"staleness": args.staleness, "compression": args.compression, "chunk": args.chunk,
+             "warmup_epochs": args.warmup_epochs or None, "allow_compression": args.allow_compression or None}
+    strategy = make("strategy", args.strategy, {k: v for k, v in given.items() if v is not None})
+    given = {"microbatches": args.microbatches if args.microbatches != 1 else None,
+             "vertical_sync": args.vertical_sync or None}
+    options = {k: v for k, v in given.items() if v is not None}
+    if args.schedule is None and not options:
+        return strategy, None
+    if strategy.name != "pipeline":
+        option = f"--{next(iter(options)).replace('_', '-')}" if options else "--schedule"
+        raise ValueError(f"{option} applies to --strategy pipeline, not {args.strategy}; leave it out or change "
+                         "the strategy")
+    return strategy, make("schedule", args.schedule or DEFAULT_SCHEDULE, options)
+
+
 def _metrics(text: str | None) -> dict[str, Any] | None:
     """``--metrics accuracy,mymod:f1`` -> {name: function}: pipetrain.metrics names or MODULE:FUNCTION."""
     if not text:
         return None
-    from pipetrain.metrics import METRICS
-
     out = {}
     for name in (n.strip() for n in text.split(",") if n.strip()):
         fn = load_object(name) if ":" in name else METRICS.get(name)
@@ -182,8 +195,6 @@ def _report_speed(result: Any) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    from pipetrain.metrics import plot_log
-
     log = Path(args.log)
     out = args.output or str((log if log.is_dir() else log.parent) / "metrics.png")
     _check_output(out, "--output")
@@ -191,20 +202,17 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    import pipetrain
-    from pipetrain import data, zoo
-
     train_set, test_set = data.digits("train"), data.digits("test")
     model = zoo.digits_cnn()
     print(f"pipetrain demo: a small CNN on scikit-learn digits ({len(train_set)} train / {len(test_set)} "
           f"held out, evaluated after every epoch); profiling, then planning 4 workers for a {args.bandwidth} "
           "network; schedule pipedream")
     t0 = time.perf_counter()
-    result = pipetrain.train(
+    result = train(
         model, train_set, loss_fn=torch.nn.functional.cross_entropy,
         optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.5), stages="auto", workers=4,
         bandwidth=args.bandwidth, schedule="pipedream", batch_size=32, epochs=args.epochs, seed=0,
-        progress=True, eval_dataset=test_set, metrics={"accuracy": pipetrain.accuracy})
+        progress=True, eval_dataset=test_set, metrics={"accuracy": accuracy})
     evaluations = [h["eval"] for h in result.history if h.get("eval")]
     print(f"final training loss {result.history[-1]['loss']:.4f}")
     print(f"held-out accuracy {evaluations[-1]['accuracy']:.1%} (chance 10%) after {len(evaluations)} epochs: "

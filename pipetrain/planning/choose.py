@@ -19,7 +19,7 @@ from pipetrain.planning.partition import plan
 from pipetrain.planning.result import Plan
 from pipetrain.planning.units import format_bandwidth, parse_bandwidth
 from pipetrain.profiling import Profile
-from pipetrain.registry import build_schedule
+from pipetrain.registry import PipeDream, PipelineSchedule
 from pipetrain.runsetup import torch_threads
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
 
@@ -168,15 +168,15 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
     return Choice(best, predictions, options, skipped, reason)
 
 
-def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int, schedule: str = "pipedream",
-                 minibatches: int = 32, microbatches: int = 1, epoch: bool = False) -> float:
-    """Samples/s of ``chosen`` run by ``schedule`` (with ``microbatches`` per minibatch) over ``link``,
+def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
+                 schedule: PipelineSchedule = PipeDream(), minibatches: int = 32, epoch: bool = False) -> float:
+    """Samples/s of ``chosen`` run by ``schedule`` over ``link``,
     simulated for about ``minibatches`` (rounded up so every replica joins every sync): the steady rate,
     or with ``epoch`` the rate of an epoch of them as it runs, the pipeline filled at its start and
     drained at its end (samples over the simulated makespan; the runtime runs each epoch so)."""
     every = math.lcm(*chosen.replicas)
     count = -(-minibatches // every) * every
-    sim = simulate(build_schedule(schedule, chosen.replicas, count, microbatches), profile, chosen.boundaries,
+    sim = simulate(schedule.build(chosen.replicas, count), profile, chosen.boundaries,
                    link, batch_size)
     if epoch:
         return count * batch_size / sim.makespan_s if sim.makespan_s > 0 else 0.0

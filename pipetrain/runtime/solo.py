@@ -26,7 +26,7 @@ import torch
 from pipetrain.layers import LayeredModel, flatten, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
 from pipetrain.runtime.transport import Message
-from pipetrain.runtime.worker import collate_parts, epoch_order, microbatch, per_epoch, to_device
+from pipetrain.batches import collate_parts, epoch_order, microbatch, per_epoch, to_device
 from pipetrain.runsetup import torch_threads
 from pipetrain.schedule import Schedule
 from pipetrain.schedule.actions import FORWARD, SYNC, UPDATE
@@ -40,17 +40,17 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
 
     Like a worker process, it tells malloc to keep freed memory (for good: see
     :func:`pipetrain.runtime.launch.keep_freed_memory`) and runs with ``cfg.threads`` torch threads
-    and torch's random generator seeded with ``cfg.seed``; the thread count and random state are
+    and torch's random generator seeded with the job's seed; the thread count and random state are
     given back afterwards. For timings a worker would see, call it in a fresh process (a worker's heap
     starts fresh). No process group is needed. The caller's model is not changed: the worker trains a
     copy, as a worker process does.
 
     Args:
         cfg: the job, its plan resolved (``boundaries`` set for a pipeline). Checkpoints are neither
-            read nor written, and the trace is taken whatever ``cfg.trace`` says.
+            read nor written, and the trace is taken whatever ``cfg.run.trace`` says.
         stage: the worker's stage (0 for data parallelism).
         minibatches: how many minibatches, from the start of epoch 0 (default: the whole epoch); a
-            multiple of ``cfg.rounds``.
+            multiple of ``cfg.layout.rounds``.
         replica: which of the stage's workers (data parallelism: which worker).
         device: where to run (default: the first GPU if there is one, else the CPU).
 
@@ -62,21 +62,22 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
         ValueError: the plan is not resolved, or ``stage``, ``replica`` or ``minibatches`` are outside
             the job.
     """
-    if cfg.replicas is None or (not cfg.data_parallel and cfg.boundaries is None):
-        raise ValueError("the job's plan is not resolved (no stages); give stages=[...] or plan first")
-    if not 0 <= stage < len(cfg.replicas) or not 0 <= replica < cfg.replicas[stage]:
-        raise ValueError(f"stage {stage} replica {replica} is not in this job (workers per stage: {cfg.replicas})")
-    n_items = len(cfg.dataset)  # type: ignore[arg-type]
-    whole = per_epoch(n_items, cfg.batch_size, cfg.rounds)
+    t, layout = cfg.training, cfg.layout
+    if not 0 <= stage < layout.num_stages or not 0 <= replica < layout.replicas[stage]:
+        raise ValueError(f"stage {stage} replica {replica} is not in this job (workers per stage: "
+                         f"{list(layout.replicas)})")
+    n_items, rounds = t.items, layout.rounds
+    whole = per_epoch(n_items, t.batch_size, rounds)
     minibatches = whole if minibatches is None else minibatches
-    if not 1 <= minibatches <= whole or minibatches % cfg.rounds:
-        raise ValueError(f"minibatches={minibatches}: give a multiple of {cfg.rounds} from {cfg.rounds} to "
+    if not 1 <= minibatches <= whole or minibatches % rounds:
+        raise ValueError(f"minibatches={minibatches}: give a multiple of {rounds} from {rounds} to "
                          f"{whole} (an epoch of this dataset)")
     where = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    job = replace(cfg, model=copy.deepcopy(cfg.model), trace=True, resume=False, checkpoint_dir=None,
-                  progress=False)
-    rank = sum(cfg.replicas[:stage]) + replica
-    batches = epoch_order(n_items, cfg.batch_size, 0, cfg.shuffle, cfg.seed, cfg.rounds)[:minibatches]
+    job = replace(cfg, training=replace(t, model=copy.deepcopy(t.model)),
+                  run=replace(cfg.run, trace=True, resume=False, max_restarts=0, checkpoint_dir=None, progress=False),
+                  layers=None)
+    rank = layout.first_rank(stage) + replica
+    batches = epoch_order(n_items, t.batch_size, 0, t.shuffle, t.seed, rounds)[:minibatches]
     schedule = job.schedule_for(0, minibatches)
     # prepare_process sets the job's thread count; this process gets its own back after
     with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), torch_threads(None):
@@ -140,16 +141,16 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
     gradients are taken for the cut only, so no parameter's ``.grad`` changes. The model is left on
     the CPU; the worker moves its stage to ``device``, as a worker holds its stage only.
     """
-    if cfg.boundaries is None or len(cfg.boundaries) == 1:
+    if cfg.layout.boundaries is None or len(cfg.layout.boundaries) == 1:
         return None, None  # one stage: nothing crosses a cut
-    model = cfg.model
+    model = cfg.training.model
     modes = {mod: mod.training for mod in model.modules()}
     model.eval().to(device)
     try:
         micro = 0 if m > 1 else None
         x, target = (microbatch(to_device(value, device), micro, m)
-                     for value in collate_parts(cfg.dataset, items, (0, 1)))
-        parts = list(LayeredModel(model).stages(cfg.boundaries))
+                     for value in collate_parts(cfg.training.dataset, items, (0, 1)))
+        parts = list(LayeredModel(model).stages(list(cfg.layout.boundaries)))
         with torch.no_grad():
             for part in parts[:stage]:
                 x = part(x)
@@ -163,7 +164,7 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
             for part in parts[stage + 1:]:
                 y = part(y)
             floats = [t for t in leaves if t.is_floating_point()]
-            grads = torch.autograd.grad(cfg.loss_fn(y, target), floats, allow_unused=True)
+            grads = torch.autograd.grad(cfg.training.loss_fn(y, target), floats, allow_unused=True)
             gradients = Message(0, micro, 0, [torch.zeros_like(t) if g is None else g for t, g in zip(floats, grads)],
                                 False)
     finally:

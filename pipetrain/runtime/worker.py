@@ -5,7 +5,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset
 
+from pipetrain.batches import collate_parts, microbatch, to_device
 from pipetrain.errors import one_line
 from pipetrain.layers import flatten, unflatten
 from pipetrain.runtime.transport import Channel, Message
@@ -33,52 +34,6 @@ class StageError(RuntimeError):
 
 DIVERGED = 1e4
 """A loss whose magnitude grows past this many times its first value (or 1) has diverged."""
-
-
-def epoch_order(n_items: int, batch_size: int, epoch: int, shuffle: bool, seed: int, multiple: int) -> list[list[int]]:
-    """Dataset indices of each minibatch of ``epoch``.
-
-    Without shuffling, minibatch t (0-based) is items [t*B, (t+1)*B). The tail that does not fill a
-    minibatch, and the minibatches that do not fill a round of every replica (``multiple``), are dropped.
-    """
-    if shuffle:
-        order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
-    else:
-        order = list(range(n_items))
-    return [order[t * batch_size:(t + 1) * batch_size] for t in range(per_epoch(n_items, batch_size, multiple))]
-
-
-def per_epoch(n_items: int, batch_size: int, multiple: int) -> int:
-    """Minibatches in an epoch: whole minibatches only, in whole rounds of ``multiple``."""
-    return n_items // batch_size // multiple * multiple
-
-
-def collate_parts(dataset: Any, items: Sequence[int], parts: Sequence[int]) -> list[Any]:
-    """The inputs (part 0) and/or targets (part 1) of ``dataset``'s ``items``, as a worker builds them:
-    each item fetched once (by the dataset's ``__getitems__`` where it has one, as ``DataLoader`` does),
-    each part collated with ``default_collate``. A ``TensorDataset``'s rows are taken by indexing its
-    tensors, which gives the tensors ``default_collate`` would stack.
-
-    Ours: fetching each item once per part, and collating item by item, cost a worker that builds both
-    (one stage, data parallelism) 0.30 of the repository's example MLP's 0.53 ms forward (64 items),
-    and ran a dataset's random transform twice per item. Indexed, its forward took 0.21 ms and one
-    worker trained 86-94k samples/s, where it had 53-59k."""
-    if type(dataset) is TensorDataset:
-        index = torch.as_tensor(list(items), dtype=torch.long)
-        return [dataset.tensors[part][index] for part in parts]
-    fetch = getattr(dataset, "__getitems__", None)
-    samples = fetch(list(items)) if fetch is not None else [dataset[j] for j in items]
-    return [default_collate([sample[part] for sample in samples]) for part in parts]
-
-
-def microbatch(value: Any, micro: int | None, m: int) -> Any:
-    """Microbatch ``micro`` of ``m`` equal slices of a collated value (a tensor, or a tuple or list of
-    tensors); the whole value for ``micro`` None."""
-    if micro is None or m == 1:
-        return value
-    if isinstance(value, (tuple, list)):
-        return type(value)(v.chunk(m)[micro] for v in value)
-    return value.chunk(m)[micro]
 
 
 @dataclass
@@ -429,10 +384,3 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
     return f"a {type(value).__name__}"
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    """A collated value (a tensor, or nested tuples or lists of tensors) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    return type(value)(to_device(v, device) for v in value)

@@ -30,18 +30,14 @@ class SyncContext:
         replicas: workers per stage; data parallelism is one stage on every worker.
         device: where gradients live.
         timeout: seconds to wait for a sync before declaring a peer silent.
-        compression: the codec name inside the strategy's own ring allreduce, or None.
         stage: this worker's stage.
-        chunk: CGDP's chunk size (layers per chunk, or ``"auto"``), or None.
     """
 
     rank: int
     replicas: tuple[int, ...]
     device: torch.device
     timeout: float
-    compression: str | None = None
     stage: int = 0
-    chunk: int | str | None = None
 
 
 class GradSync:

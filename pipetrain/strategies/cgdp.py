@@ -114,8 +114,8 @@ class HostSum(GradSync):
     """CGDP's synchronizer: chunks of gradients summed in shared host memory during the backward.
 
     Args:
-        ctx: this worker's context; ``ctx.chunk`` is the chunk size (layers per chunk) or ``"auto"``
-            (:class:`pipetrain.strategies.chunks.ChunkSearch`).
+        ctx: this worker's context.
+        chunk: the chunk size (layers per chunk) or ``"auto"`` (:class:`pipetrain.strategies.chunks.ChunkSearch`).
         local, local_rank: workers on this machine, and this worker's index among them.
         group: the process group of this machine's workers, used by the summing thread only.
         across: the group of the workers with this local rank on every machine, or None on one machine.
@@ -126,8 +126,9 @@ class HostSum(GradSync):
         search: the chunk search (``"auto"``), else None.
     """
 
-    def __init__(self, ctx: SyncContext, local: int, local_rank: int, group: Any, across: Any,
+    def __init__(self, ctx: SyncContext, chunk: int | str, local: int, local_rank: int, group: Any, across: Any,
                  machines: int) -> None:
+        self.chunk = chunk
         self.ctx, self.local, self.local_rank, self.group, self.across = ctx, local, local_rank, group, across
         self.machines, self.workers = machines, local * machines
         self.bytes_sent = 0
@@ -173,7 +174,7 @@ class HostSum(GradSync):
             torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
         for p in flat:
             p.register_post_accumulate_grad_hook(self._ready)
-        chunk = self.ctx.chunk
+        chunk = self.chunk
         if chunk in (None, "auto"):
             self.search = ChunkSearch(len(self._layers))
             chunk = self.search.chunk
@@ -347,8 +348,8 @@ class HostSum(GradSync):
             out.add_(part)
 
 
-def cgdp(ctx: SyncContext) -> GradSync:
-    """The ``cgdp`` strategy's synchronizer, with its process groups (made collectively, in order).
+def cgdp(ctx: SyncContext, chunk: int | str) -> GradSync:
+    """The ``cgdp`` strategy's synchronizer at ``chunk`` layers per chunk (or ``"auto"``), with its process groups (made collectively, in order).
 
     The machine's workers are ``LOCAL_WORLD_SIZE`` consecutive ranks (torchrun's numbering; locally
     launched workers are all on this machine).
@@ -369,7 +370,7 @@ def cgdp(ctx: SyncContext) -> GradSync:
     across = [dist.new_group([m * local + i for m in range(machines)], timeout=timeout, backend="gloo")
               for i in range(local)] if machines > 1 else None
     machine, local_rank = divmod(ctx.rank, local)
-    return HostSum(ctx, local, local_rank, groups[machine], across[local_rank] if across else None, machines)
+    return HostSum(ctx, chunk, local, local_rank, groups[machine], across[local_rank] if across else None, machines)
 
 
 def measure_host_costs(elements: int, local: int, dtype: torch.dtype = torch.float32,

@@ -154,8 +154,9 @@ def _trainable(weights: Weights) -> list[torch.Tensor]:
     return [p for p in weights.values() if p.requires_grad]
 
 
-def pipe_sgd(ctx: SyncContext) -> GradSync:
-    """The ``pipe-sgd`` strategy's synchronizer: a ring over all workers on a group of its own."""
+def pipe_sgd(ctx: SyncContext, compression: str | None) -> GradSync:
+    """The ``pipe-sgd`` strategy's synchronizer: a ring over all workers on a group of its own, with the
+    codec ``compression`` inside."""
     workers = ctx.replicas[0]
     group = dist.new_group(list(range(workers)), timeout=timedelta(seconds=ctx.timeout))
-    return RingSync(group, workers, get_codec(ctx.compression), ctx.device, ctx.timeout)
+    return RingSync(group, workers, get_codec(compression), ctx.device, ctx.timeout)

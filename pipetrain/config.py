@@ -1,0 +1,294 @@
+"""One validated configuration of a job, built once before any worker starts.
+
+A job is made of parts, each checked when it is made: :class:`Training` (what is trained and how each
+update goes), :class:`RunOptions` (checkpoints, restarts, timeouts, what is recorded), the strategy and
+schedule objects of :mod:`pipetrain.registry` (their own options) and the
+:class:`~pipetrain.layout.Layout` (which worker runs what). :class:`JobConfig` puts them together and
+checks the rules that span them. Every check raises a one-line ValueError saying what is wrong and what
+to do. Nothing here creates directories or reads checkpoints: that is the launcher's
+(:mod:`pipetrain.api`), once the configuration holds.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import InitVar, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from pipetrain.batches import first_inputs
+from pipetrain.errors import one_line
+from pipetrain.layers import LayeredModel, check_boundaries
+from pipetrain.layout import Layout
+from pipetrain.planning import Plan
+from pipetrain.registry import Auto, PipelineSchedule, Strategy
+from pipetrain.runtime import checkpoint
+from pipetrain.schedule import Schedule
+
+PRECISIONS = ("fp32", "bf16")
+"""``precision``: fp32 computes in the model's own dtype; bf16 runs forwards and losses under autocast
+to bfloat16 (what crosses a stage boundary is then bfloat16: half the bytes)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """What is trained and how each update goes (the arguments of :func:`pipetrain.train` of that name)."""
+
+    model: nn.Module
+    dataset: Dataset
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    optimizer: Callable[..., torch.optim.Optimizer]
+    batch_size: int = 32
+    epochs: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    clip_grad_norm: float | None = None
+    precision: str = "fp32"
+    eval_dataset: Dataset | None = None
+    metrics: dict[str, Callable[[Any, Any], Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise ValueError(f"model is a {type(self.model).__name__}, not a torch.nn.Module; pass the model itself")
+        counts = (self.batch_size, self.epochs)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts) or min(counts) < 1:
+            raise ValueError(f"batch_size and epochs must be integers >= 1 (got {self.batch_size}, {self.epochs})")
+        for name, example in (("loss_fn", "torch.nn.functional.mse_loss"),
+                              ("optimizer", "functools.partial(torch.optim.SGD, lr=0.1)")):
+            if not callable(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not callable; pass a function such as {example}")
+        n_items = _count_pairs(self.dataset, "the dataset")
+        if n_items < self.batch_size:
+            raise ValueError(f"the dataset has {n_items} items, fewer than one minibatch of {self.batch_size}; use a "
+                             "smaller batch_size")
+        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
+            raise ValueError(f"lr_scheduler={self.lr_scheduler!r} is not callable; pass a factory taking the optimizer, "
+                             "e.g. functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=100)")
+        if self.clip_grad_norm is not None and (isinstance(self.clip_grad_norm, bool) or
+                                                not isinstance(self.clip_grad_norm, (int, float)) or
+                                                not self.clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r}: give the largest gradient norm, a number > 0")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: use one of {', '.join(map(repr, PRECISIONS))}")
+        self._check_evaluation()
+
+    def _check_evaluation(self) -> None:
+        if self.metrics is not None:
+            if self.eval_dataset is None:
+                raise ValueError("metrics are computed on eval_dataset; give eval_dataset too")
+            if not isinstance(self.metrics, dict) or not all(isinstance(k, str) and callable(f)
+                                                             for k, f in self.metrics.items()):
+                raise ValueError("metrics must be a dict of name -> function(output, target), e.g. "
+                                 "{'accuracy': pipetrain.accuracy}")
+            if "loss" in self.metrics:
+                raise ValueError("metrics: 'loss' is reported already (loss_fn on eval_dataset); name the metric otherwise")
+        if self.eval_dataset is not None:
+            n = _count_pairs(self.eval_dataset, "eval_dataset")
+            if n < self.batch_size:
+                raise ValueError(f"eval_dataset has {n} items, fewer than one minibatch of {self.batch_size}; give more "
+                                 "items or a smaller batch_size")
+
+    @property
+    def items(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How the job runs: checkpoints, restarts, timeouts, threads and what it records (the arguments of
+    :func:`pipetrain.train` of that name; ``trace`` there may be a directory: ``trace_dir`` here)."""
+
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    keep_checkpoints: int | None = 2
+    max_restarts: int = 0
+    timeout: float = 300.0
+    threads: int | None = None
+    trace: bool = False
+    trace_dir: str | None = None
+    progress: bool = False
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_checkpoints is not None and (isinstance(self.keep_checkpoints, bool) or
+                                                  not isinstance(self.keep_checkpoints, int) or
+                                                  self.keep_checkpoints < 2):
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints!r}: keep at least 2 (a worker may be one "
+                             "epoch ahead of another, so resuming needs the previous epoch) or None for all")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume=True needs checkpoint_dir (where the workers saved themselves)")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts!r}: give how many times to restart, 0 or more")
+        if self.max_restarts and self.checkpoint_dir is None:
+            raise ValueError("max_restarts needs checkpoint_dir: a restarted job resumes from the workers' checkpoints")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ValueError(f"timeout={self.timeout!r}: give the seconds a worker waits on a silent peer (> 0)")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads={self.threads!r}: give the torch threads per worker, at least 1 (or None: "
+                             "the cores shared by the workers)")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything every rank needs, validated once (``__post_init__``) before any process starts.
+
+    Attributes:
+        training: what is trained.
+        run: how the job runs.
+        strategy: a data-parallel strategy, or :class:`~pipetrain.registry.Pipeline`.
+        schedule: the pipeline's schedule; None for data parallelism.
+        layout: the workers of each stage (one stage, sharded, for data parallelism).
+        layers: the model cut into layers, where the caller has it (a pipeline's stages are checked
+            against it; made here when not given). Not kept.
+    """
+
+    training: Training
+    run: RunOptions
+    strategy: Strategy
+    schedule: PipelineSchedule | None
+    layout: Layout
+    layers: InitVar[LayeredModel | None] = None
+
+    def __post_init__(self, layers: LayeredModel | None) -> None:
+        t, layout = self.training, self.layout
+        if not isinstance(self.strategy, Strategy):
+            raise ValueError(f"strategy {self.strategy!r} must be resolved to one strategy before the job is made")
+        if self.strategy.data_parallel:
+            if not layout.sharded or self.schedule is not None:
+                raise ValueError(f"strategy {self.strategy.name!r} shares each minibatch over its workers; it takes "
+                                 "workers=N, not stages or a schedule")
+            if t.batch_size % layout.world:
+                raise ValueError(f"batch_size {t.batch_size} does not split into {layout.world} equal shards; use a "
+                                 f"multiple of {layout.world} (each worker takes batch_size / workers samples)")
+            self.strategy.check_model(t.model)
+        else:
+            if layout.sharded or layout.boundaries is None or self.schedule is None:
+                raise ValueError("a pipeline needs stages and a schedule")
+            self.schedule.check_layout(layout)
+            if t.batch_size % self.schedule.microbatches:
+                raise ValueError(f"batch_size {t.batch_size} is not divisible by microbatches "
+                                 f"{self.schedule.microbatches}; pick a batch size that splits evenly")
+            self._check_stages(layers if layers is not None else LayeredModel(t.model, self.example()))
+        if t.items < t.batch_size * layout.rounds:
+            raise ValueError(f"the dataset has {t.items} items, fewer than one round of minibatches "
+                             f"({t.batch_size * layout.rounds}); use a smaller batch_size")
+
+    def _check_stages(self, layers: LayeredModel) -> None:
+        assert self.layout.boundaries is not None
+        check_boundaries(list(self.layout.boundaries), len(layers))
+        shared = layers.shared_parameters(list(self.layout.boundaries))
+        if shared:
+            name, stages = next(iter(shared.items()))
+            raise ValueError(f"parameter {name} is used by stages {stages} (tied weights), and each stage would train "
+                             "its own copy; untie it (Hugging Face: tie_word_embeddings=False) or cut elsewhere")
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.strategy.data_parallel
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def microbatches(self) -> int:
+        return 1 if self.schedule is None else self.schedule.microbatches
+
+    @property
+    def threads(self) -> int:
+        """Torch threads per worker: as given, else this machine's cores shared by its workers."""
+        return self.run.threads if self.run.threads is not None else shared_cores(self.world)
+
+    def example(self) -> Any:
+        """The model input of the first minibatch (microbatch) in dataset order: what ``torch.export``
+        captures a model that fx cannot trace on, for the shapes a stage sees
+        (:class:`pipetrain.layers.LayeredModel`)."""
+        return first_inputs(self.training.dataset, self.training.batch_size // self.microbatches)
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must have been saved by to be resumed by this job."""
+        layout = {"workers": self.world} if self.data_parallel else {
+            "boundaries": list(self.layout.boundaries or ()), "replicas": list(self.layout.replicas)}
+        return {"model": checkpoint.fingerprint(self.training.model), "strategy": self.strategy.name,
+                "world": self.world, "layout": layout}
+
+    def schedule_for(self, epoch: int, minibatches: int) -> Schedule:
+        """The action lists of ``epoch``, with ``minibatches`` minibatches."""
+        if self.schedule is None:
+            return self.strategy.build(self.world, minibatches, epoch)
+        return self.schedule.build(self.layout.replicas, minibatches)
+
+    def policy_name(self, stage: int) -> str:
+        """The weight policy of ``stage``'s workers (:data:`pipetrain.runtime.weights.POLICIES`)."""
+        return "live" if self.schedule is None else self.schedule.policy(self.layout, stage)
+
+
+def _count_pairs(dataset: Dataset, what: str) -> int:
+    """The item count of a map-style dataset of (input, target) pairs, or a one-line ValueError."""
+    try:
+        n_items, item = len(dataset), dataset[0]  # type: ignore[arg-type]
+    except Exception as e:  # a dataset raises what it likes; all mean it cannot be used
+        raise ValueError(f"{what} cannot be read ({one_line(e)}); give a map-style dataset "
+                         "(len() and [i]) of (input, target) pairs") from None
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        kind = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+        raise ValueError(f"{what}'s items must be (input, target) pairs, but item 0 is {kind}; wrap it so each item "
+                         "is (input, target)")
+    if n_items < 1:
+        raise ValueError(f"{what} is empty")
+    return n_items
+
+
+def shared_cores(workers: int) -> int:
+    """Torch threads per worker when not given: this machine's cores shared by its workers (torchrun's
+    ``LOCAL_WORLD_SIZE`` of them, else all ``workers``)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", workers))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def check_request(strategy: Strategy | Auto, schedule: PipelineSchedule | None, stages: Any, workers: Any,
+                  bandwidth: Any) -> None:
+    """The choices of ``pipetrain.train`` that say where the work goes, checked together before anything is
+    measured or planned: each strategy takes its own of ``schedule``, ``stages``, ``workers`` and
+    ``bandwidth``."""
+    planning = isinstance(stages, str) and stages == "auto"
+    if isinstance(strategy, Auto) or strategy.data_parallel:
+        given = [n for n, v in (("stages", stages), ("schedule", schedule)) if v is not None]
+        if given and isinstance(strategy, Auto):
+            raise ValueError(f"strategy='auto' chooses {', '.join(given)} itself; drop {given[0]}, or name a strategy")
+        if given:
+            raise ValueError(f"{given[0]} applies to strategy 'pipeline', not {strategy.name!r}; leave it out or "
+                             "change the strategy")
+        if bandwidth is not None and not isinstance(strategy, Auto):
+            raise ValueError(f"bandwidth={bandwidth!r} is only used to plan (stages='auto') or to choose "
+                             "(strategy='auto'); drop it")
+        if workers is None:
+            what = "the workers to choose for" if isinstance(strategy, Auto) else \
+                "the data-parallel workers, each holding the whole model"
+            raise ValueError(f"strategy={strategy.name!r} needs workers=N (CLI: --workers N), {what}")
+        Layout.data_parallel_on(workers)
+        return
+    if stages is None:
+        raise ValueError("strategy='pipeline' needs stages: first layer indices, a plan, or 'auto' "
+                         "(CLI: --stages 0,4 | --plan FILE | --plan auto --workers N)")
+    if bandwidth is not None and not planning:
+        raise ValueError(f"bandwidth={bandwidth!r} is only used to plan with stages='auto'; drop it (a plan file "
+                         "was made for its own bandwidth)")
+    if planning:
+        if workers is None:
+            raise ValueError("stages='auto' needs workers=N (CLI: --workers N), the number of workers to plan for")
+        Layout.data_parallel_on(workers)
+    elif not isinstance(stages, (str, os.PathLike, Plan)):
+        if isinstance(stages, (int, float)) or not all(isinstance(b, (int, str)) and not isinstance(b, bool)
+                                                       for b in stages):
+            raise ValueError(f"stages={stages!r}: give the first layer index of each stage as integers, e.g. "
+                             "[0, 3, 7], or the submodule each later stage begins at, e.g. ['transformer.h.2', "
+                             "'transformer.h.4']")
+        if workers is not None:
+            raise ValueError(f"workers={workers} is given beside explicit stages, which place one worker per stage; "
+                             "drop workers, or plan with stages='auto'")

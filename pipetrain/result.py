@@ -1,0 +1,121 @@
+"""What a run gives back: the trained model gathered from the workers, its history and its speed."""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.errors import PipetrainError
+from pipetrain.planning import Plan
+from pipetrain.runtime.launch import under_torchrun
+from pipetrain.trace import draw_timeline, write_chrome_trace
+
+
+@dataclass
+class TrainResult:
+    """What a run gives back.
+
+    Attributes:
+        model: the trained full model (gathered from all stages of a pipeline), same structure as the
+            input model.
+        history: one record per optimizer step of the output stage (of worker 0 for data parallelism,
+            with the minibatch's loss: the mean over the workers' shards): ``step``, ``epoch``, ``loss``,
+            ``samples`` and ``samples_per_s`` (those samples over the time since the previous step),
+            ``time`` (the output stage's perf_counter), ``lr`` (the learning rate the update used) and
+            ``eval`` (with ``eval_dataset``, on each epoch's last record: the mean ``loss`` and metrics).
+        samples_per_s: samples trained per second, measured at the output stage: every epoch from its
+            start to its last update, not the evaluation, checkpoints and bookkeeping between epochs
+            (:func:`training_rate`).
+        traces: per rank, ``(action, start, end)`` records when ``trace=True`` (perf_counter seconds).
+        plan: the plan that placed the stages, when one did (``"auto"``, a Plan or a plan file).
+        predicted_samples_per_s: what pipetrain predicted for this run: with ``stages="auto"`` (or
+            ``strategy="auto"``) the simulated run from the measured profile and set-up; with a plan
+            given, batch size / its slowest stage's time.
+        bytes_sent: per rank, tensor bytes it sent to other workers (activations, gradients, and its
+            share of an allreduce: counted for pipe-sgd's ring, estimated as a ring's 2(r-1)/r of the
+            gradient for a replicated stage and DDP).
+        sync_stats: per rank, what its gradient synchronizer measured or decided: pipe-sgd's
+            ``ring_seconds`` (each ring allreduce on the communication thread), cgdp's ``chunks``
+            (the chunk size of every iteration) and ``search`` (the run-time chunk search).
+        started: ``time.perf_counter()`` when ``train`` was called; on one machine it shares the clock
+            of the history's ``time`` (so ``h["time"] - started`` is wall time since the call).
+        restarts: one record per automatic restart (``max_restarts``): ``attempt`` that failed,
+            ``error``, ``resumed_after_epoch`` (None: from scratch), ``redone_steps`` (updates the
+            failed attempt made after that epoch, trained again) and ``time`` (perf_counter, when
+            the failure was seen).
+        epochs_trained: epochs this call trained (0 when a resumed job had nothing left to train).
+        choice: with ``strategy="auto"``: ``{"choice": NAME, "predictions": {NAME: samples/s}, "options",
+            "skipped", "reason"}`` (:meth:`pipetrain.planning.choose.Choice.to_dict`).
+    """
+
+    model: nn.Module
+    history: list[dict[str, Any]]
+    samples_per_s: float
+    traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    plan: Plan | None = None
+    predicted_samples_per_s: float | None = None
+    started: float = 0.0
+    bytes_sent: list[int] = field(default_factory=list)
+    sync_stats: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    epochs_trained: int = 0
+    choice: dict[str, Any] | None = None
+
+
+def training_rate(records: list[dict[str, Any]]) -> float:
+    """Samples per second over the time the workers trained, from the records of the updates (as
+    ``TrainResult.history`` holds them): each epoch from its start (its first update's time less that
+    update's own interval) to its last update. The time between epochs, spent evaluating, saving
+    checkpoints and gathering losses, is left out: it is not what a schedule's speed decides, and the
+    simulator predicts the epochs alone. 0 without records."""
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for h in records:
+        e = h["epoch"]
+        start[e] = min(start.get(e, math.inf), h["time"] - h["samples"] / h["samples_per_s"])
+        end[e] = max(end.get(e, -math.inf), h["time"])
+    seconds = sum(end[e] - start[e] for e in start)
+    return sum(h["samples"] for h in records) / seconds if seconds > 0 else 0.0
+
+
+def gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], str],
+            since_epoch: int = 0) -> TrainResult:
+    """The trained model and history from every rank's part (samples/s from the records of epochs
+    ``since_epoch`` on: those trained by this run). Data-parallel workers must end bitwise identical:
+    a difference is a bug, never a result."""
+    state: dict[str, torch.Tensor] = {}
+    for part in parts:
+        state.update(part["state"])
+    full = copy.deepcopy(model)
+    missing = set(full.state_dict()) - set(state)
+    if missing:
+        raise PipetrainError(f"no stage returned {sorted(missing)[:3]}; those tensors are not used in "
+                             "forward, so no stage owns them")
+    full.load_state_dict(state)
+    differ = [p["rank"] for p in parts if not p["state"] and p["digest"] != parts[0]["digest"]]
+    if differ:
+        raise PipetrainError(f"{name(differ[0])} ended with weights that differ from {name(0)}'s; data-parallel "
+                             "workers must stay identical (please report this)")
+    history = sorted((h for part in parts for h in part["history"]), key=lambda h: h["step"])
+    speed = training_rate([h for h in history if h["epoch"] >= since_epoch])
+    return TrainResult(full, history, speed, [part["trace"] for part in parts],
+                       bytes_sent=[part["bytes_sent"] for part in parts],
+                       sync_stats=[part["sync_stats"] for part in parts])
+
+
+def write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],
+                title: str) -> None:
+    """``trace.json`` (Chrome trace, opens in Perfetto) and ``timeline.png`` of a run's traces in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [name(r) for r in range(len(traces))]
+    # local workers share the monotonic clock; under torchrun each host has its own origin
+    start = min((t[0][1] for t in traces if t), default=0.0)
+    offsets = None if under_torchrun() else [start] * len(traces)
+    write_chrome_trace(traces, directory / "trace.json", names=names, offsets=offsets)
+    draw_timeline(traces, directory / "timeline.png", title=f"{title}: measured", names=names, offsets=offsets)
