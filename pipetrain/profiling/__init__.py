@@ -1,7 +1,6 @@
-"""Per-layer profiles: the data (:mod:`.profile`), the profiler that measures a model (:mod:`.profiler`)
-and the reader of PipeDream's published profiles (:mod:`.graph`)."""
-from pipetrain.profiling.profile import (LayerProfile, Profile, ProfileError, _field, as_minibatch, check_header,
-                                         parse_json, profile_model, read_text, time_batching)
+"""Per-layer profiles: the data and its JSON form (:mod:`.profile`), the profiler that measures a model
+(:mod:`.profiler`) and the reader of PipeDream's published profiles (:mod:`.graph`)."""
+from pipetrain.profiling.profile import LayerProfile, Profile, ProfileError
+from pipetrain.profiling.profiler import as_minibatch, profile_model, time_batching
 
-__all__ = ["LayerProfile", "Profile", "ProfileError", "_field", "as_minibatch", "check_header", "parse_json",
-           "profile_model", "read_text", "time_batching"]
+__all__ = ["LayerProfile", "Profile", "ProfileError", "as_minibatch", "profile_model", "time_batching"]
