@@ -19,7 +19,8 @@ import pipetrain
 from pipetrain import costs
 from pipetrain.planning import Plan, StagePlan, plan
 from pipetrain.planning.choose import choose_strategy, predict_plan
-from pipetrain.profiling import LayerProfile, Profile, _field, as_minibatch, profile_model
+from pipetrain.jsonfile import read_field
+from pipetrain.profiling import LayerProfile, Profile, as_minibatch, profile_model
 from pipetrain.registry import build_schedule
 from pipetrain.runsetup import (COMPUTING_ROUNDS_SECONDS, SETTLE_EXCESS, STAGGER_S, Setup, _computing_rounds, _jitter,
                                 _staggered_calls, measure_setup, model_step)
@@ -85,7 +86,7 @@ def test_a_microbatchs_backward_after_the_first_adds_its_gradients_into_grad():
     assert [(e - s) / MS for _, s, e in result.trace[0]] == pytest.approx(by_hand)
     # a set-up saved before it was measured adds nothing, nor does a schedule of whole minibatches
     assert Setup.from_dict({k: v for k, v in dataclasses.asdict(setup()).items() if k != "add_s_per_byte"},
-                           _field).add_s_per_byte == 0.0
+                           read_field).add_s_per_byte == 0.0
     whole = simulate(build_schedule("pipedream", [1], 2), two_layers(setup(add_s_per_byte=1e-6)), [0])
     assert {round((e - s) / MS, 6) for a, s, e in whole.trace[0] if a.startswith("B")} == {8.0}
 
@@ -166,7 +167,7 @@ def test_the_simulator_prices_each_message_by_how_busy_the_workers_turn_out():
     result = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(measured), [0, 1])
     assert result.makespan_s == pytest.approx((6.5 + 2 * lo) * MS, rel=1e-3)
     # a set-up saved before the idle latency was measured prices every message busy
-    old = Setup.from_dict({k: v for k, v in dataclasses.asdict(measured).items() if k != "idle_latency_s"}, _field)
+    old = Setup.from_dict({k: v for k, v in dataclasses.asdict(measured).items() if k != "idle_latency_s"}, read_field)
     busy = simulate(build_schedule("model-parallel", [1, 1], 1), two_layers(old), [0, 1])
     assert old.idle_latency_s == 0.0 and busy.makespan_s == pytest.approx((6.5 + 2 * 5) * MS)
 
@@ -188,7 +189,7 @@ def test_a_message_end_costs_the_cpu_measured_after_a_training_step_where_the_se
     after_step = setup(cores=2, slowdown=1.0, computing_message_cpu_s=0.7 * MS, computing_message_cpu_s_per_byte=1e-9)
     assert send_s(after_step) == pytest.approx(0.7 * MS + 1000 * 1e-9)
     old = Setup.from_dict({k: v for k, v in dataclasses.asdict(after_step).items() if not k.startswith("computing")},
-                          _field)
+                          read_field)
     assert old.computing_message_cpu_s == 0.0 and send_s(old) == pytest.approx(0.2 * MS)
 
 
@@ -264,7 +265,7 @@ def test_our_ring_moves_at_the_busy_rate_while_the_workers_compute_beside_it_and
     assert comm_s(two_layers(measured), update_s=5 * MS) == pytest.approx(busy)
     assert comm_s(two_layers(measured), "ddp") == pytest.approx(2 * 0.5 * MS + 800 * 2e-6)
     old = Setup.from_dict({k: v for k, v in dataclasses.asdict(measured).items() if not k.startswith("idle_ring")},
-                          _field)
+                          read_field)
     assert comm_s(two_layers(old)) == pytest.approx(busy)
     timed = dataclasses.replace(measured, idle_ring_s={"none": 3.5 * MS}, ring_cpu_bytes=800)
     assert comm_s(two_layers(timed)) == pytest.approx(3.5 * MS + 4 * MS * (1 - 3.5 / 7.6))
@@ -365,14 +366,14 @@ def test_a_codecs_ring_is_charged_the_cpu_the_set_up_measured_for_it_at_the_jobs
 
 def test_a_setups_codec_cpu_must_be_numbers_by_codec():
     fields = dataclasses.asdict(setup(codec_ring_cpu_s={"quant8": 5 * MS}, ring_cpu_bytes=800))
-    assert Setup.from_dict(fields, _field).codec_ring_cpu("quant8", 2, 800) == 5 * MS
+    assert Setup.from_dict(fields, read_field).codec_ring_cpu("quant8", 2, 800) == 5 * MS
     with pytest.raises(ValueError, match=r"setup.codec_ring_cpu_s: 'quant8' is -1"):
-        Setup.from_dict({**fields, "codec_ring_cpu_s": {"quant8": -1}}, _field)
+        Setup.from_dict({**fields, "codec_ring_cpu_s": {"quant8": -1}}, read_field)
     with pytest.raises(ValueError, match=r"'setup.codec_ring_cpu_s' is 3, not an object"):
-        Setup.from_dict({**fields, "codec_ring_cpu_s": 3}, _field)
+        Setup.from_dict({**fields, "codec_ring_cpu_s": 3}, read_field)
     with pytest.raises(ValueError, match=r"'setup.idle_ring_s' is 3, not an object"):
-        Setup.from_dict({**fields, "idle_ring_s": 3}, _field)
-    assert Setup.from_dict({**fields, "idle_ring_s": {"none": 0.01}}, _field).idle_ring("none", 2, 800) == 0.01
+        Setup.from_dict({**fields, "idle_ring_s": 3}, read_field)
+    assert Setup.from_dict({**fields, "idle_ring_s": {"none": 0.01}}, read_field).idle_ring("none", 2, 800) == 0.01
 
 
 def test_starting_a_replicated_stages_allreduce_costs_a_message_ends_cpu():
@@ -537,7 +538,7 @@ def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker()
     measured = measure_setup(2, 1, model_step(net, (torch.randn(3, 4), torch.randn(3, 2)), nn.functional.mse_loss),
                              seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=40)
     assert measured.step_rows == 3 and 0 < measured.step_s < 0.05 and "a training step of 3 rows" in measured.describe()
-    assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
+    assert Setup.from_dict(dataclasses.asdict(measured), read_field) == measured
     # its 40 B of gradient are below the rings the probe times: no codec's ring is measured at them
     assert measured.codec_ring_cpu_s == {} and measured.codec_ring_cpu("quant8", 2, 40) is None
 
@@ -606,7 +607,7 @@ def test_the_probes_jitter_is_the_variance_of_every_workers_calls_per_second():
 
 def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with_messages():
     fields = {k: v for k, v in dataclasses.asdict(setup()).items() if "ring" not in k and "allreduce" not in k}
-    old = Setup.from_dict(fields, _field)
+    old = Setup.from_dict(fields, read_field)
     assert (old.ring_latency_s, old.ring_s_per_byte, old.allreduce_latency_s, old.allreduce_cpu_s,
             old.ring_cpu_s, old.ring_cpu_s_per_byte, old.idle_ring_latency_s, old.idle_ring_s_per_byte) == (0.0,) * 8
     assert old.codec_ring_cpu_s == {} and old.codec_ring_cpu("quant8", 2, 0) is None
@@ -626,7 +627,7 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert measured.ring_cpu(2, 1 << 17) > 0 and "ring CPU" in measured.describe()
     assert measured.ring_cpu_bytes == 1 << 20 and "quant8 ring" in measured.describe()
     assert all((measured.codec_ring_cpu(name, 2, 1 << 20) or 0) > 0 for name in ("trunc16", "quant8"))
-    assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
+    assert Setup.from_dict(dataclasses.asdict(measured), read_field) == measured
     assert measured.allreduce_terms(ours=True) == (measured.ring_latency_s or measured.latency_s,
                                                    measured.ring_s_per_byte)
     # the backend's allreduce: its own line, through 1 element and the job's gradient (1 MiB, a bucket)
@@ -652,7 +653,7 @@ def test_where_workers_share_cores_the_set_up_times_pipe_sgds_loop_with_each_cod
     assert all((measured.period(name, 2, 1 << 18) or 0) > 0 for name in ("none", "trunc16", "quant8"))
     assert measured.period("none", 3, 1 << 18) is None and measured.period("none", 2, 1 << 19) is None
     assert "quant8 pipe-sgd iteration" in measured.describe()
-    assert Setup.from_dict(dataclasses.asdict(measured), _field) == measured
+    assert Setup.from_dict(dataclasses.asdict(measured), read_field) == measured
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18).period_s == {}
 

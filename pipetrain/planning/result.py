@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import one_line
-from pipetrain.profiling import Profile, check_header, parse_json, read_text
+from pipetrain.jsonfile import check_header, parse_json, read_text
+from pipetrain.profiling import Profile
 
 FORMAT, VERSION = "pipetrain-plan", 1
 

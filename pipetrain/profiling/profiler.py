@@ -1,0 +1,196 @@
+"""The profiler: times every layer of a model on one minibatch (:func:`profile_model`) and a dataset's
+minibatch building (:func:`time_batching`), and turns a microbatch's profile into a minibatch's
+(:func:`as_minibatch`)."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.layers import LayeredModel
+from pipetrain.profiling.profile import LayerProfile, Profile
+from pipetrain.batches import collate_parts
+
+
+def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                  *, optimizer: Callable[..., torch.optim.Optimizer] | None = None, repeats: int = 10,
+                  warmup: int = 2) -> Profile:
+    """Measure every layer of ``model`` on one minibatch.
+
+    Layer k runs alone, as ``LayeredModel(model).stage(k, k)``, on what layer k - 1 returned, so its
+    times are what a stage holding it would spend. Times are medians of ``repeats`` runs after
+    ``warmup`` runs. A layer's backward is seeded with ones for each output (or, for the last layer,
+    starts from ``loss_fn``) and computes the gradients of its parameters and, after layer 0, of its
+    inputs, as a pipeline stage must send those back. The model's buffers (e.g. batch-norm
+    statistics) are restored afterwards and no ``.grad`` is touched.
+
+    Args:
+        model: an ``nn.Sequential``, or a module ``torch.fx`` traces or ``torch.export`` captures (on
+            this minibatch), on the device to profile.
+        sample_batch: one minibatch of model input (a tensor, or a tuple for several inputs); with
+            ``loss_fn``, an ``(input, target)`` pair as a dataset gives.
+        loss_fn: ``loss_fn(output, target)``, timed as part of the last layer.
+        optimizer: the training's optimizer factory (e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``):
+            each layer's ``optimizer_s`` is one step of it on the layer's parameters (after
+            ``warmup`` steps, which create its state); the parameters are restored afterwards.
+        repeats: timed runs per layer.
+        warmup: untimed runs per layer before those.
+
+    Returns:
+        The profile, at the batch size and on the device of the input.
+
+    Raises:
+        LayerError: the model cannot be cut into layers.
+        ValueError: ``repeats < 1``, no input tensors or samples, or no ``(input, target)`` pair with ``loss_fn``.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if loss_fn is not None and not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
+        raise ValueError("with loss_fn, sample_batch must be an (input, target) pair")
+    value, target = sample_batch if loss_fn is not None else (sample_batch, None)
+    inputs = _tensors(value)
+    if not inputs:
+        raise ValueError("sample_batch holds no tensors; pass one minibatch of model input")
+    if inputs[0].dim() and inputs[0].shape[0] == 0:
+        raise ValueError("sample_batch holds 0 samples; pass a minibatch of at least one")
+    layers = LayeredModel(model, value)
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    measured = []
+    try:
+        for k in range(len(layers)):
+            stage = layers.stage(k, k)
+            last = loss_fn is not None and k == len(layers) - 1
+            head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
+            fwd, bwd, value = _time_layer(stage, value, k > 0, head, repeats, warmup)
+            param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+            step = _time_optimizer(stage, optimizer, repeats, warmup) if optimizer is not None else 0.0
+            measured.append(LayerProfile(layers.labels[k], fwd, bwd, _nbytes(value), param_bytes, step))
+    finally:
+        with torch.no_grad():
+            for buffer, copy in saved:
+                buffer.copy_(copy)
+    first = inputs[0]
+    return Profile(measured, int(first.shape[0]) if first.dim() else 1, str(first.device), type(model).__name__,
+                   _nbytes(inputs))
+
+
+def as_minibatch(micro: Profile, m: int) -> Profile:
+    """The profile of a minibatch run as ``m`` microbatches of ``micro``'s batch one after another, for
+    simulating a microbatched schedule (which times a microbatch as its stage's minibatch time over
+    ``m``): forward, backward and bytes ``m`` times ``micro``'s, the optimizer step once. A profile taken
+    at the whole minibatch and divided by ``m`` would be optimistic on a CPU, whose seconds per row grow
+    as the batch shrinks."""
+    layers = [replace(x, forward_s=x.forward_s * m, backward_s=x.backward_s * m, activation_bytes=x.activation_bytes * m)
+              for x in micro.layers]
+    return replace(micro.building_scaled(m), layers=layers, batch_size=micro.batch_size * m,
+                   input_bytes=micro.input_bytes * m,
+                   meta={**micro.meta, "measured_at_batch": micro.batch_size, "microbatches": m})
+
+
+def time_batching(dataset: Any, rows: int, repeats: int = 3) -> tuple[float, float, float]:
+    """Seconds to build a minibatch of the first ``rows`` items' inputs, of their targets, and of both at
+    once, from ``dataset`` (of ``(input, target)`` pairs), each as a worker builds it
+    (:func:`pipetrain.batches.collate_parts`; its first stage builds the inputs, its last the
+    targets, a worker that is both builds both). Medians of ``repeats`` runs after one untimed, the
+    three interleaved so that each sees the same phases of the machine."""
+    items = range(min(rows, len(dataset)))
+    kinds = ((0,), (1,), (0, 1))
+    times: list[list[float]] = [[] for _ in kinds]
+    for _ in range(repeats + 1):
+        for k, parts in enumerate(kinds):
+            start = time.perf_counter()
+            collate_parts(dataset, items, parts)
+            times[k].append(time.perf_counter() - start)
+    inputs_s, targets_s, both_s = (statistics.median(t[1:]) for t in times)
+    return inputs_s, targets_s, both_s
+
+
+def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any], torch.Tensor] | None,
+                repeats: int, warmup: int) -> tuple[float, float, Any]:
+    """(median forward s, median backward s, the output detached) of one layer."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    cuda = any(t.is_cuda for t in _tensors(x)) or any(p.is_cuda for p in params)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    forward, backward = [], []
+    for run in range(warmup + repeats):
+        leaves = _map(x, lambda t: t.detach().requires_grad_(input_grads and t.is_floating_point()))
+        # The layer gets copies: an in-place first op must not fail on a leaf or change the input.
+        feed = _map(leaves, torch.clone)
+        sync()
+        t0 = time.perf_counter()
+        y = stage(feed)
+        head = y if loss is None else loss(y)
+        sync()
+        t1 = time.perf_counter()
+        roots = [t for t in _tensors(head) if t.requires_grad]
+        wrt = [t for t in _tensors(leaves) if t.requires_grad] + params
+        seeds = [torch.ones_like(t) for t in roots]
+        sync()
+        t2 = time.perf_counter()
+        if roots and wrt:
+            torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+        sync()
+        if run >= warmup:
+            forward.append(t1 - t0)
+            backward.append(time.perf_counter() - t2)
+    return statistics.median(forward), statistics.median(backward), _map(y, torch.Tensor.detach)
+
+
+def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optimizer], repeats: int,
+                    warmup: int) -> float:
+    """Median seconds of one ``optimizer`` step (with ``zero_grad``) on ``stage``'s trainable parameters,
+    with gradients of ones; the parameters and their ``.grad`` are left as they were."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    before = [(p.detach().clone(), p.grad) for p in params]
+    cuda = any(p.is_cuda for p in params)
+    opt = optimizer(params)
+    times = []
+    try:
+        for run in range(warmup + max(repeats, 1)):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
+            if run >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        with torch.no_grad():
+            for p, (data, grad) in zip(params, before):
+                p.copy_(data)
+                p.grad = grad
+    return statistics.median(times)
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` on every tensor of a nested tuple/list/dict; other values (e.g. sizes) pass through."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a nested tuple/list/dict, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [t for v in items for t in _tensors(v)]
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
