@@ -18,7 +18,8 @@ import json
 import sys
 from typing import Any
 
-from pipetrain.bench.suite import QUICK, SuiteConfig, run_suite
+from pipetrain.bench.suite import run_suite
+from pipetrain.bench.systems import QUICK, SuiteConfig
 
 SYSTEMS = ("pipedream", "ddp", "pipe-sgd", "pipe-sgd-trunc16", "pipe-sgd-quant8")
 MODELS: dict[str, dict[str, Any]] = {

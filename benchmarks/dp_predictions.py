@@ -5,7 +5,7 @@ cgdp within 15%).
     python benchmarks/dp_predictions.py --smoke    # lstm-lm, 8 updates, 1 run each: the script end to end
 
 For each zoo model, with the workers and batch of ``benchmarks/auto_pick.py``, each of ``--reps`` rounds
-does what ``strategy="auto"`` does at a job's start on one machine (``pipetrain.bench.suite._choose``):
+does what ``strategy="auto"`` does at a job's start on one machine (``pipetrain.bench.predictions.choose_auto``):
 it profiles one minibatch here with the SGD step per layer, measures the run set-up of the workers on
 this machine (``runsetup.measure_setup``, one training step of a worker's shard as the shared work)
 and predicts every data-parallel candidate with ``planning.choose_strategy`` (codecs allowed; cgdp at
@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 import pipetrain
-from pipetrain.bench.suite import SuiteConfig, _choose
+from pipetrain.bench.predictions import choose_auto
+from pipetrain.bench.systems import SuiteConfig
 
 from auto_pick import MODELS
 
@@ -69,7 +70,7 @@ def run_model(model: str, reps: int, log: Any, steps: int = STEPS, warm: int = W
     runs: dict[str, list[float]] = {n: [] for n in STRATEGIES}
     options: dict[str, list[dict[str, Any]]] = {n: [] for n in STRATEGIES}
     for rep in range(reps):
-        choice = _choose(cfg, cfg.peer(), None, None, log)  # type: ignore[arg-type]
+        choice = choose_auto(cfg, cfg.peer(), None, None, log)  # type: ignore[arg-type]
         names = [n for n in STRATEGIES if n in choice.predictions]
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             predicted[name].append(choice.predictions[name])

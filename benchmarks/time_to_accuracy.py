@@ -74,7 +74,7 @@ from torch.utils.data import Dataset, default_collate
 import pipetrain
 from pipetrain import data, zoo
 from pipetrain.bench.load import LoadSampler, quietly
-from pipetrain.bench.suite import PIPE_SGD
+from pipetrain.bench.systems import PIPE_SGD
 from pipetrain.runtime.launch import spawn
 from pipetrain.runtime.worker import epoch_order
 
