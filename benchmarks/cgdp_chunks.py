@@ -1,4 +1,4 @@
-"""CGDP per chunk size (issue 9): sync overhead measured and predicted, and where the run-time search lands.
+"""CGDP per chunk size: sync overhead measured and predicted, and where the run-time search lands.
 
     flock /tmp/pipetrain-bench.lock python benchmarks/cgdp_chunks.py [--model vgg-like] [--workers 2] [--json F]
 
@@ -12,10 +12,10 @@ minibatch (the samples of one update of the whole job; each worker takes batch /
   for all layers, and ``cgdp`` with ``chunk="auto"`` timed after its search (``pipetrain.bench.measure``
   timing: median of windows after warm-up).
 
-Runs on this VM vary by up to 30% from one process to the next, so every system runs ``--rounds``
+Runs on a shared machine vary by up to 30% from one process to the next, so every system runs ``--rounds``
 times in rotating order and the median is kept.
 
-Per-iteration sync overhead = iteration time - ``alone`` (the issue's definition), and beside it the
+Per-iteration sync overhead = iteration time - ``alone``, and beside it the
 part that is not CPU contention: iteration time - ``alone x M``. The cost model's prediction for each
 chunk (``pipetrain.simulate.predict_cgdp``, CGDP eq. 1-2) uses a profile of one shard taken here, the
 SGD step measured here, host copy and sum rates measured here (``measure_host_costs``) and the latency

@@ -1,4 +1,4 @@
-"""Time to accuracy (issue 5): held-out accuracy against wall-clock seconds, PipeDream §5's metric.
+"""Time to accuracy: held-out accuracy against wall-clock seconds, PipeDream §5's metric.
 
     flock /tmp/pipetrain-bench.lock python benchmarks/time_to_accuracy.py     # ~4-5 min on 2 cores
     python benchmarks/time_to_accuracy.py --quick                             # ~40 s: main, one seed
