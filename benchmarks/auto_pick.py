@@ -1,4 +1,4 @@
-"""Does ``strategy="auto"`` pick the fastest strategy? (issue 11, item 4)
+"""Does ``strategy="auto"`` pick the fastest strategy?
 
     flock /tmp/pipetrain-bench.lock python benchmarks/auto_pick.py [--cases NAME,...] [--json F]
 
@@ -18,7 +18,8 @@ import json
 import sys
 from typing import Any
 
-from pipetrain.bench.suite import QUICK, SuiteConfig, run_suite
+from pipetrain.bench.suite import run_suite
+from pipetrain.bench.systems import QUICK, SuiteConfig
 
 SYSTEMS = ("pipedream", "ddp", "pipe-sgd", "pipe-sgd-trunc16", "pipe-sgd-quant8")
 MODELS: dict[str, dict[str, Any]] = {
@@ -27,7 +28,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "resnet-like": dict(workers=2, batch_size=32),
     "lstm-lm": dict(workers=2, batch_size=32),
 }
-"""Each model with the workers and batch of its earlier benchmarks (mnist-mlp: the Pipe-SGD paper's)."""
+"""Each model with the workers and batch its other benchmarks use (mnist-mlp: the Pipe-SGD paper's)."""
 LINKS = ("100mbit", "1gbit")
 CASES = {f"{model}@{link}": (model, link) for model in MODELS for link in LINKS}
 

@@ -1,4 +1,4 @@
-"""CGDP per chunk size (issue 9): sync overhead measured and predicted, and where the run-time search lands.
+"""CGDP per chunk size: sync overhead measured and predicted, and where the run-time search lands.
 
     flock /tmp/pipetrain-bench.lock python benchmarks/cgdp_chunks.py [--model vgg-like] [--workers 2] [--json F]
 
@@ -9,13 +9,13 @@ minibatch (the samples of one update of the whole job; each worker takes batch /
 * ``alone x M``: M processes each training on its shard with no synchronisation at all, at once: the
   same work as a data-parallel worker with the machine's cores shared, but no sync;
 * ``ddp`` (PyTorch DistributedDataParallel), ``cgdp`` at every fixed chunk size from 1 to one chunk
-  for all layers, and ``cgdp`` with ``chunk="auto"`` timed after its search (``pipetrain.bench.peers``
+  for all layers, and ``cgdp`` with ``chunk="auto"`` timed after its search (``pipetrain.bench.measure``
   timing: median of windows after warm-up).
 
-Runs on this VM vary by up to 30% from one process to the next, so every system runs ``--rounds``
+Runs on a shared machine vary by up to 30% from one process to the next, so every system runs ``--rounds``
 times in rotating order and the median is kept.
 
-Per-iteration sync overhead = iteration time - ``alone`` (the issue's definition), and beside it the
+Per-iteration sync overhead = iteration time - ``alone``, and beside it the
 part that is not CPU contention: iteration time - ``alone x M``. The cost model's prediction for each
 chunk (``pipetrain.simulate.predict_cgdp``, CGDP eq. 1-2) uses a profile of one shard taken here, the
 SGD step measured here, host copy and sum rates measured here (``measure_host_costs``) and the latency
@@ -35,8 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.bench.peers import PeerConfig, ddp, no_sync, pipetrain_job, summarize
-from pipetrain.bench.suite import stage_times
+from pipetrain.bench.measure import PeerConfig, summarize
+from pipetrain.bench.pipetrain_jobs import pipetrain_job
+from pipetrain.bench.stages import stage_times
+from pipetrain.bench.torch_peers import ddp, no_sync
 from pipetrain.profiling import profile_model
 from pipetrain.runtime.launch import keep_freed_memory, spawn
 from pipetrain.simulate import predict_cgdp

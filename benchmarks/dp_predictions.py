@@ -1,11 +1,11 @@
-"""Data-parallel predictions against steady-state runs on one machine (issue 11, goal 2: pipe-sgd and
-cgdp within 15%).
+"""Data-parallel predictions against steady-state runs on one machine: are pipe-sgd and cgdp predicted
+within 15%?
 
     flock /tmp/pipetrain-bench.lock python benchmarks/dp_predictions.py [--models a,b] [--reps 5] [--json F]
     python benchmarks/dp_predictions.py --smoke    # lstm-lm, 8 updates, 1 run each: the script end to end
 
 For each zoo model, with the workers and batch of ``benchmarks/auto_pick.py``, each of ``--reps`` rounds
-does what ``strategy="auto"`` does at a job's start on one machine (``pipetrain.bench.suite._choose``):
+does what ``strategy="auto"`` does at a job's start on one machine (``pipetrain.bench.predictions.choose_auto``):
 it profiles one minibatch here with the SGD step per layer, measures the run set-up of the workers on
 this machine (``runsetup.measure_setup``, one training step of a worker's shard as the shared work)
 and predicts every data-parallel candidate with ``planning.choose_strategy`` (codecs allowed; cgdp at
@@ -13,13 +13,12 @@ the chunk its cost model predicts fastest). Then each candidate trains once with
 (cgdp at that round's chunk, pipe-sgd at K = 2), in rotating order, for :data:`STEPS` updates; the
 measurement is the median interval between updates after the first :data:`WARM` (allocations, gloo
 connections, first page faults): the steady state a prediction is about. A candidate's row holds the
-median of its rounds' predictions beside the median of its runs: on this VM both a profile and a run
-read its speed at the moment they are taken (it swings by +-12% over seconds), so the prediction is
-sampled as often as the run. ``pairs`` counts the rounds whose own prediction came within 15% of
-their own run. Five rounds, not three: over five runs of three rounds (300 rounds), one round's
-prediction over its own run varied with a standard deviation of 11-14% per strategy, so the medians of
-three rounds still moved between runs (the 16 pipe-sgd and cgdp cells of the three runs at 8d82f0f:
-a standard deviation of 8.5% on average), too much to tell 15% apart.
+median of its rounds' predictions beside the median of its runs: on a shared machine both a profile
+and a run read its speed at the moment they are taken (it swings by +-12% over seconds), so the
+prediction is sampled as often as the run. ``pairs`` counts the rounds whose own prediction came within
+15% of their own run. [Note: five rounds] one round's prediction over its own run varies with a
+standard deviation of 11-14% per strategy (``predictions`` and ``runs`` in the ``--json`` of this
+script), so the median of three rounds still moves too much between runs to tell 15% apart.
 
 The CGDP chunk search is left out on purpose: it tries chunk sizes on timings that vary by +-25% here,
 so where it lands is a property of the search, not of the cost model (``benchmarks/cgdp_chunks.py``
@@ -37,14 +36,15 @@ from typing import Any
 import torch
 
 import pipetrain
-from pipetrain.bench.suite import SuiteConfig, _choose
+from pipetrain.bench.predictions import choose_auto
+from pipetrain.bench.systems import SuiteConfig
 
 from auto_pick import MODELS
 
 STRATEGIES = ("ddp", "pipe-sgd", "pipe-sgd-trunc16", "pipe-sgd-quant8", "cgdp")
 STEPS, WARM = 24, 6
 WITHIN = 0.15
-"""Issue 11, goal 2: pipe-sgd and cgdp predictions within 15% of measured."""
+"""A prediction is good when it is within this fraction of what its candidate measured."""
 
 
 def measure(model: str, options: dict[str, Any], workers: int, batch: int, steps: int, warm: int) -> float:
@@ -69,7 +69,7 @@ def run_model(model: str, reps: int, log: Any, steps: int = STEPS, warm: int = W
     runs: dict[str, list[float]] = {n: [] for n in STRATEGIES}
     options: dict[str, list[dict[str, Any]]] = {n: [] for n in STRATEGIES}
     for rep in range(reps):
-        choice = _choose(cfg, cfg.peer(), None, None, log)  # type: ignore[arg-type]
+        choice = choose_auto(cfg, cfg.peer(), None, None, log)  # type: ignore[arg-type]
         names = [n for n in STRATEGIES if n in choice.predictions]
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             predicted[name].append(choice.predictions[name])

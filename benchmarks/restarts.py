@@ -1,4 +1,4 @@
-"""Killed workers survived (issue 10): restarts, work redone, time lost, and final weights exact.
+"""Killed workers survived: restarts, work redone, time lost, and final weights exact.
 
     flock /tmp/pipetrain-bench.lock python benchmarks/restarts.py [--kills 2] [--epochs 6] [--json F]
 

@@ -1,4 +1,4 @@
-"""Time to accuracy (issue 5): held-out accuracy against wall-clock seconds, PipeDream §5's metric.
+"""Time to accuracy: held-out accuracy against wall-clock seconds, PipeDream §5's metric.
 
     flock /tmp/pipetrain-bench.lock python benchmarks/time_to_accuracy.py     # ~4-5 min on 2 cores
     python benchmarks/time_to_accuracy.py --quick                             # ~40 s: main, one seed
@@ -67,14 +67,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, default_collate
 
 import pipetrain
 from pipetrain import data, zoo
 from pipetrain.bench.load import LoadSampler, quietly
-from pipetrain.bench.suite import PIPE_SGD
+from pipetrain.bench.systems import PIPE_SGD
+from pipetrain.runtime import checkpoint
 from pipetrain.runtime.launch import spawn
 from pipetrain.batches import epoch_order
 
@@ -157,9 +160,6 @@ def ddp_rank(model: nn.Module, dataset: Dataset, lr: float, batch_size: int, epo
     update equals the sequential update on the whole minibatch. Rank 0 returns its epoch end times
     (perf_counter, the caller's clock on one machine) and its weights after every epoch.
     """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     torch.set_num_threads(threads)
     # a rank whose peers never arrive (their parent was killed) gives up instead of gloo's 30 minutes
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
@@ -223,8 +223,6 @@ def run_pipetrain(system: str, model: nn.Module, dataset: Dataset, s: Setting, s
 
 
 def _failed_run(system: str, model: nn.Module, s: Setting, seed: int, ckpt: str, wall0: float, error: str) -> Run:
-    from pipetrain.runtime import checkpoint
-
     saved = checkpoint.epochs_saved(ckpt)
     world = s.workers
     done = sorted(set.intersection(*(set(saved.get(r, [])) for r in range(world)))) if saved else []

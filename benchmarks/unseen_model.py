@@ -1,10 +1,8 @@
 """A model no test or benchmark here was tuned on, planned automatically: is the prediction within 1.5x?
-(issue 11, goal 2)
 
     flock /tmp/pipetrain-bench.lock python benchmarks/unseen_model.py [--workers 3] [--repeats 2] [--json F]
 
-The model is a small Transformer language model built from ``torch.nn.TransformerEncoderLayer`` (the
-issue's example of a prediction 6.5x off), trained on characters of text that ships with Python
+The model is a small Transformer language model built from ``torch.nn.TransformerEncoderLayer``, trained on characters of text that ships with Python
 (:func:`pipetrain.zoo.char_lm_dataset`), over ``--workers`` local workers, twice per repeat: with
 ``strategy="auto"`` (pipetrain picks the strategy) and with ``stages="auto"`` (a PipeDream plan run by
 ``pipedream``). Each run prints pipetrain's prediction (``result.predicted_samples_per_s``, made before

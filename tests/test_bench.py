@@ -10,7 +10,8 @@ from unittest import mock
 
 import pytest
 
-from pipetrain.bench.suite import SYSTEMS, TARGETS, SuiteConfig, _counts, format_table
+from pipetrain.bench.report import TARGETS, format_table, judge_auto
+from pipetrain.bench.systems import SYSTEMS, SuiteConfig, microbatch_counts
 from pipetrain.cli import main
 from pipetrain.zoo import SPECS
 
@@ -72,9 +73,9 @@ def test_cgdp_is_timed_after_its_chunk_search(capsys: pytest.CaptureFixture[str]
 
 def test_microbatch_counts_and_bad_config() -> None:
     cfg = SuiteConfig(model="mnist-mlp", batch_size=12, microbatches=(1, 2, 4, 5))
-    assert _counts("torch-1f1b", cfg, 2) == [2, 4]       # 1F1B needs a microbatch per stage
-    assert _counts("gpipe", cfg, 2) == [1, 2, 4]        # 5 does not split 12
-    assert _counts("pipedream", cfg, 2) == [1]
+    assert microbatch_counts("torch-1f1b", cfg, 2) == [2, 4]       # 1F1B needs a microbatch per stage
+    assert microbatch_counts("gpipe", cfg, 2) == [1, 2, 4]        # 5 does not split 12
+    assert microbatch_counts("pipedream", cfg, 2) == [1]
     with pytest.raises(ValueError, match="unknown system"):
         SuiteConfig(systems=("pipedream", "horovod"))
     with pytest.raises(ValueError, match="one worker per stage"):
@@ -85,20 +86,19 @@ def test_microbatch_counts_and_bad_config() -> None:
 def test_auto_is_judged_against_every_run_and_among_exact_strategies() -> None:
     """With codecs allowed the pick is quant8 (predicted fastest), measured at 100 of the fastest 110
     (pipedream): met at 0.91; without codecs the pick is the pipeline, the fastest exact strategy."""
-    from pipetrain.bench.suite import _judge
     from pipetrain.planning.choose import Choice
 
     options = {"pipeline": {"strategy": "pipeline"}, "ddp": {"strategy": "ddp"},
                "pipe-sgd-quant8": {"strategy": "pipe-sgd", "compression": "quant8"}}
     choice = Choice("pipe-sgd-quant8", {"pipeline": 100.0, "ddp": 50.0, "pipe-sgd-quant8": 120.0}, options)
-    judged = _judge(choice, {"pipedream": 110.0, "ddp": 60.0, "pipe-sgd-quant8": 100.0})
+    judged = judge_auto(choice, {"pipedream": 110.0, "ddp": 60.0, "pipe-sgd-quant8": 100.0})
     assert judged["measured"] == {"pipeline": 110.0, "ddp": 60.0, "pipe-sgd-quant8": 100.0}
     assert judged["any"] == {"pick": "pipe-sgd-quant8", "best": "pipeline", "pick_vs_best": 100 / 110, "met": True}
     assert judged["exact"] == {"pick": "pipeline", "best": "pipeline", "pick_vs_best": 1.0, "met": True}
     # a pipeline priced as data parallelism is no candidate, but its run still counts as the fastest
     dp_only = Choice("ddp", {"ddp": 50.0}, {"ddp": {"strategy": "ddp"}},
                      {"pipeline": "the best plan is one stage on every worker"})
-    judged = _judge(dp_only, {"pipedream": 110.0, "ddp": 60.0})
+    judged = judge_auto(dp_only, {"pipedream": 110.0, "ddp": 60.0})
     assert judged["any"] == {"pick": "ddp", "best": "pipeline", "pick_vs_best": 60 / 110, "met": False}
 
 

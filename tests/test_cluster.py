@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.bench.cluster import ClusterError, EmulatedCluster, socket_throughput, unavailable_reason
-from pipetrain.bench.peers import PeerConfig, ddp
+from pipetrain.bench.measure import PeerConfig
+from pipetrain.bench.torch_peers import ddp
 
 
 @pytest.fixture(scope="module")

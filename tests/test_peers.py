@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pipetrain.bench.peers import PeerConfig, ddp, no_sync, ps_sync, summarize, torch_pipeline
+from pipetrain.bench.measure import PeerConfig, summarize
+from pipetrain.bench.torch_peers import ddp, no_sync, ps_sync, torch_pipeline
 from pipetrain.runtime import launch
 from pipetrain.errors import PipetrainError
 

@@ -1,4 +1,4 @@
-"""Simulator vs real runs (issue 4): does ``pipetrain.simulate`` predict what ``pipetrain.train`` measures?
+"""Simulator vs real runs: does ``pipetrain.simulate`` predict what ``pipetrain.train`` measures?
 
 Run it as ``python benchmarks/sim_vs_real.py [--quick | --smoke] [--json F] [--png-dir D]``.
 
@@ -40,6 +40,5 @@ prediction would be wrong by construction, and the script does not try.)
 Tables, PNGs and JSON: :mod:`simreal.report`; the order of it all: :mod:`simreal.main`. Other
 people's processes share the machine: see [Note: foreign load] in ``pipetrain/bench/load.py``. Run it
 under the benchmark lock others use (``flock /tmp/pipetrain-bench.lock python
-benchmarks/sim_vs_real.py``). Results and their explanation: BENCHMARKS.md, "Simulator vs real runs
-(issue 4)".
+benchmarks/sim_vs_real.py``). Results and their explanation: BENCHMARKS.md, "Simulator vs real runs".
 """

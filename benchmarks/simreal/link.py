@@ -8,7 +8,10 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from pipetrain.runtime.launch import spawn
+from pipetrain.runtime.transport import Message, Transport
 from pipetrain.simulate import Link
 
 from simreal.workload import Config
@@ -20,10 +23,6 @@ def _ping_pong(cfg: Config, sizes: list[int], rounds: int, busy: bool) -> dict[s
     With ``busy``, a thread in each process runs a microbatch-sized Linear forward and backward in a
     loop meanwhile, so both cores compute while messages cross, as in a running pipeline.
     """
-    import torch.distributed as dist
-
-    from pipetrain.runtime.transport import Message, Transport
-
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
@@ -66,8 +65,6 @@ def measure_link(cfg: Config, cut_bytes: int) -> tuple[Link, dict[str, Any]]:
     """Link(bandwidth, latency) from one-way times (round trip / 2) of a 4 KB and a cut-sized message
     between two otherwise idle processes; also the one-way times of 4 KB, a microbatch's cut and a
     minibatch's cut with both cores computing, and the CPU a message costs each end."""
-    from pipetrain.runtime.launch import spawn
-
     small = 4096
     sizes = [small, cut_bytes // cfg.micro, cut_bytes]
     idle = spawn(_ping_pong, 2, (cfg, sizes, cfg.link_rounds, False))[0]

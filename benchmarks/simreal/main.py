@@ -48,7 +48,7 @@ def _measured_foreign(result: dict[str, Any], _: LoadSampler) -> float:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="Simulator vs real runs (issue 4): does pipetrain.simulate predict "
+    ap = argparse.ArgumentParser(description="Simulator vs real runs: does pipetrain.simulate predict "
                                              "what pipetrain.train measures?")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
@@ -197,11 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _inputs_again(cfg: Config, model: nn.Module, data: TensorDataset, workers: int) -> dict[int, Profile]:
     """(A)'s profiles by microbatches, taken again with their run set-ups: the layer profile and the
-    set-up at the minibatch, and at the microbatch scaled up to it. One profile read pipedream 3487 and
-    2875 samples/s in two runs at d6c7787 (its runs measured 3055 and 3127), and the microbatched
-    schedules, priced from one set-up's step at a microbatch, read +12.6% and -4.6% in two runs whose
-    measurements agreed within 2%: a profile and a set-up read the VM's speed in the seconds they take,
-    as a run does, so they are taken as often as the runs are."""
+    set-up at the minibatch, and at the microbatch scaled up to it. A profile and a set-up read the
+    machine's speed in the seconds they take, as a run does, so they are taken as often as the runs are."""
     return _by_microbatches(cfg, predict.profile_at(model, data, cfg.batch, cfg.repeats),
                             predict.profile_at(model, data, cfg.batch // cfg.micro, cfg.repeats),
                             *_setups(cfg, model, data, workers))

@@ -1,4 +1,4 @@
-"""``python -m pipetrain.bench``: the same as ``pipetrain bench`` (see :mod:`pipetrain.bench.suite`)."""
+"""``python -m pipetrain.bench``: the same as ``pipetrain bench`` (see :mod:`pipetrain.cli.bench`)."""
 from __future__ import annotations
 
 import sys

@@ -5,8 +5,7 @@ import argparse
 import sys
 import warnings
 
-from pipetrain.bench import suite
-from pipetrain.cli import common, planning, train
+from pipetrain.cli import bench, common, planning, train
 from pipetrain.errors import first_line
 
 __all__ = ["build_parser", "main"]
@@ -17,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train.register(sub)
     planning.register(sub)
-    suite.register(sub)
+    bench.register(sub)
     return parser
 
 
