@@ -397,6 +397,25 @@ def make(kind: str, name: str, options: dict[str, Any]) -> Any:
     return type(cls)(**options)
 
 
+def from_options(strategy: str, schedule: str | None = None, **options: Any
+                 ) -> tuple[Strategy | Auto, PipelineSchedule | None]:
+    """The strategy and schedule objects named, each with the options (given by name, as the CLI's flags
+    give them) that it takes; an option that neither takes is refused in one line naming who takes it.
+    The schedule is None where neither a schedule nor an option of one is given."""
+    chosen = as_strategy(strategy)
+    schedule_options = {k: v for k, v in options.items() if any(k in {f.name for f in fields(c)}
+                                                                 for c in SCHEDULES.values())}
+    strategy_options = {k: v for k, v in options.items() if k not in schedule_options}
+    made = make("strategy", strategy, strategy_options)
+    if schedule is None and not schedule_options:
+        return made, None
+    if not isinstance(chosen, Pipeline):
+        what = next(iter(schedule_options), "schedule")
+        raise ValueError(f"{what} applies to strategy 'pipeline', not {chosen.name!r}; leave it out or change the "
+                         "strategy")
+    return made, make("schedule", schedule or DEFAULT_SCHEDULE, schedule_options)
+
+
 def build_schedule(schedule: str | PipelineSchedule, replicas: Sequence[int], minibatches: int) -> Schedule:
     """The action lists of a pipeline ``schedule`` (a name or an object) over stages of ``replicas``
     workers, for ``minibatches`` minibatches."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import pipetrain
+from pipetrain.registry import from_options
 from pipetrain.bench.load import machine_busy_s
 from pipetrain.bench.measure import PeerConfig, TxSampler, finish, init_group
 from pipetrain.strategies.cgdp import layer_parameters
@@ -73,13 +74,16 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
     data = cfg.spec.dataset(steps * cfg.batch_size, seed=cfg.seed + 1)
     iface = cfg.interface()
     sampler = TxSampler(iface) if iface else None
+    layout = {k: options[k] for k in ("stages", "bandwidth") if k in options}
     if options.get("strategy", "pipeline") != "pipeline" or options.get("stages") == "auto":
-        options = {**options, "workers": int(os.environ["WORLD_SIZE"])}  # explicit stages place the workers
+        layout["workers"] = int(os.environ["WORLD_SIZE"])  # explicit stages place the workers
+    strategy, schedule = from_options(**{"strategy": "pipeline", **{k: v for k, v in options.items()
+                                                                    if k not in ("stages", "bandwidth")}})
     try:
         result = pipetrain.train(
             cfg.build(), data, loss_fn=cfg.spec.loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr),
-            batch_size=cfg.batch_size, epochs=1, shuffle=False,
-            seed=cfg.seed, timeout=cfg.timeout_s, threads=cfg.threads, trace=trace, **options)
+            strategy=strategy, schedule=schedule, batch_size=cfg.batch_size, epochs=1, shuffle=False,
+            seed=cfg.seed, timeout=cfg.timeout_s, threads=cfg.threads, trace=trace, **layout)
     finally:
         if sampler:
             sampler.stop()

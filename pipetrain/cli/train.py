@@ -16,7 +16,7 @@ from pipetrain.cli.common import (
 from pipetrain import data, zoo
 from pipetrain.api import train
 from pipetrain.metrics import METRICS, accuracy, plot_log
-from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, Auto, make
+from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, Auto, from_options
 from pipetrain.strategies.compression import CODECS
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -147,21 +147,12 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _strategy_and_schedule(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The strategy and schedule objects the flags name, each with the options given to it; an option
-    given to a strategy or schedule that does not take it is refused in one line."""
+    """The strategy and schedule objects the flags name, each with the options given to it."""
     given = {"staleness": args.staleness, "compression": args.compression, "chunk": args.chunk,
-             "warmup_epochs": args.warmup_epochs or None, "allow_compression": args.allow_compression or None}
-    strategy = make("strategy", args.strategy, {k: v for k, v in given.items() if v is not None})
-    given = {"microbatches": args.microbatches if args.microbatches != 1 else None,
+             "warmup_epochs": args.warmup_epochs or None, "allow_compression": args.allow_compression or None,
+             "microbatches": args.microbatches if args.microbatches != 1 else None,
              "vertical_sync": args.vertical_sync or None}
-    options = {k: v for k, v in given.items() if v is not None}
-    if args.schedule is None and not options:
-        return strategy, None
-    if strategy.name != "pipeline":
-        option = f"--{next(iter(options)).replace('_', '-')}" if options else "--schedule"
-        raise ValueError(f"{option} applies to --strategy pipeline, not {args.strategy}; leave it out or change "
-                         "the strategy")
-    return strategy, make("schedule", args.schedule or DEFAULT_SCHEDULE, options)
+    return from_options(args.strategy, args.schedule, **{k: v for k, v in given.items() if v is not None})
 
 
 def _metrics(text: str | None) -> dict[str, Any] | None:
