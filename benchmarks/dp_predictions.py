@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 import pipetrain
+from pipetrain.registry import from_options
 from pipetrain.bench.predictions import choose_auto
 from pipetrain.bench.systems import SuiteConfig
 
@@ -48,14 +49,15 @@ WITHIN = 0.15
 
 
 def measure(model: str, options: dict[str, Any], workers: int, batch: int, steps: int, warm: int) -> float:
-    """Samples/s of one run of a candidate with ``options``: the median interval between its updates
-    after ``warm`` of its ``steps``."""
+    """Samples/s of one run of a candidate with ``options`` (its strategy's name and options, as the
+    choice records them): the median interval between its updates after ``warm`` of its ``steps``."""
     cfg = SuiteConfig(model=model, workers=workers, batch_size=batch, loopback=True)
     peer = cfg.peer()
     data = peer.spec.dataset(batch * steps, seed=peer.seed)
+    strategy, _ = from_options(**options)
     result = pipetrain.train(peer.build(), data, loss_fn=peer.spec.loss_fn,
-                             optimizer=functools.partial(torch.optim.SGD, lr=peer.lr), workers=workers,
-                             batch_size=batch, epochs=1, threads=1, shuffle=False, progress=False, **options)
+                             optimizer=functools.partial(torch.optim.SGD, lr=peer.lr), strategy=strategy,
+                             workers=workers, batch_size=batch, epochs=1, threads=1, shuffle=False, progress=False)
     times = [h["time"] for h in result.history]
     return batch / statistics.median(b - a for a, b in zip(times[warm:], times[warm + 1:]))
 

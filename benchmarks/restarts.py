@@ -40,7 +40,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                                          speedup_vs_dp=1.0)),
     "ddp": dict(strategy="ddp", workers=4),
     "pipe-sgd": dict(strategy="pipe-sgd", workers=4),
-    "cgdp": dict(strategy="cgdp", workers=4, chunk=2),
+    "cgdp": dict(strategy=pipetrain.CGDP(chunk=2), workers=4),
 }
 
 

@@ -7,16 +7,16 @@
 Five systems train the same model (``pipetrain.zoo.digits_cnn``, initialised from the same seed) on
 the real bundled digits (``pipetrain.data.digits("train")``, 1,437 images) with the same optimizer
 (plain SGD), learning rate, minibatch size (32 samples per update for the whole job) and epochs, and
-see the same minibatches in the same order (``pipetrain.runtime.worker.epoch_order``, shuffled per
+see the same minibatches in the same order (``pipetrain.batches.epoch_order``, shuffled per
 epoch from the seed):
 
 * ``sequential``: one process, a plain PyTorch loop in this process, all cores' threads.
 * ``ddp``: ``DistributedDataParallel`` over gloo, BSP: each of the M workers takes its 32/M share
   of every minibatch and gradients are averaged, so every update equals the sequential one.
 * ``pipedream``: ``pipetrain.train(schedule="pipedream")``, 1F1B with weight stashing.
-* ``pipedream+vs``: the same with ``vertical_sync=True``.
+* ``pipedream+vs``: the same with ``schedule=pipetrain.PipeDream(vertical_sync=True)``.
 * ``naive``: ``schedule="naive"``, pipelining without weight stashing (PipeDream §3.4's ablation).
-* ``pipe-sgd``, ``pipe-sgd-trunc16``, ``pipe-sgd-quant8``: ``pipetrain.train(strategy="pipe-sgd")``,
+* ``pipe-sgd``, ``pipe-sgd-trunc16``, ``pipe-sgd-quant8``: ``pipetrain.train(strategy=pipetrain.PipeSGD(compression=...))``,
   K = 2 (each update one minibatch stale), each of the M workers on its share of every minibatch as
   in ``ddp``, uncompressed or with a codec inside the ring allreduce.
 
@@ -198,10 +198,10 @@ def run_ddp(model: nn.Module, dataset: Dataset, s: Setting, seed: int, threads: 
 def run_pipetrain(system: str, model: nn.Module, dataset: Dataset, s: Setting, seed: int, threads: int,
                   timeout: float) -> Run:
     if system in PIPE_SGD:
-        how: dict[str, Any] = dict(strategy="pipe-sgd", workers=s.workers, compression=PIPE_SGD[system])
+        how: dict[str, Any] = dict(strategy=pipetrain.PipeSGD(compression=PIPE_SGD[system]), workers=s.workers)
     else:
-        how = dict(stages=list(s.stages), schedule="naive" if system == "naive" else "pipedream",
-                   vertical_sync=system == "pipedream+vs")
+        how = dict(stages=list(s.stages), schedule=pipetrain.Naive() if system == "naive" else
+                   pipetrain.PipeDream(vertical_sync=system == "pipedream+vs"))
     with tempfile.TemporaryDirectory(prefix="tta-") as ckpt:
         wall0 = time.time()
         try:

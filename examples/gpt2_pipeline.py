@@ -52,7 +52,7 @@ def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    result = pipetrain.train(model(), data(), loss_fn=lm_loss, strategy="pipeline", schedule="pipedream",
+    result = pipetrain.train(model(), data(), loss_fn=lm_loss, schedule="pipedream",
                              stages=["transformer.h.1", "transformer.h.3"], batch_size=16, epochs=2,
                              optimizer=functools.partial(torch.optim.Adam, lr=3e-3), progress=True)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]

@@ -4,7 +4,7 @@ One machine, 4 workers:     torchrun --nproc-per-node 4 examples/mlp_job.py [--s
 Two machines, 2 workers each (run on both; --node-rank 0 on the first, 1 on the second):
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr HOST0 --master-port 29500 examples/mlp_job.py
 
-As a pipeline, worker r runs stage r; with ``--strategy ddp`` or ``pipe-sgd`` every worker holds the
+As a pipeline, worker r runs stage r; with ``--strategy ddp``, ``pipe-sgd`` or ``cgdp`` every worker holds the
 whole model and takes its share of every minibatch.
 """
 import argparse
@@ -30,7 +30,7 @@ def data():
 if __name__ == "__main__":
     import os
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="pipeline", help="pipeline, ddp or pipe-sgd")
+    parser.add_argument("--strategy", default="pipeline", help="pipeline, ddp, pipe-sgd or cgdp")
     strategy = parser.parse_args().strategy
     world = int(os.environ.get("WORLD_SIZE", "4"))
     layout = {"stages": [0, 2, 4, 6][:world]} if strategy == "pipeline" else {"workers": world}

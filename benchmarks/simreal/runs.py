@@ -11,7 +11,9 @@ from torch.utils.data import TensorDataset
 
 import pipetrain
 from pipetrain.bench.load import LoadSampler
-from pipetrain.runtime.job import JobConfig
+from pipetrain.config import JobConfig, RunOptions, Training
+from pipetrain.layout import Layout
+from pipetrain.registry import Pipeline
 from pipetrain.runtime.launch import spawn
 from pipetrain.runtime.solo import run_stage_alone
 from pipetrain.schedule import Action
@@ -60,8 +62,10 @@ class StepMarks:
 def _replay_stage(cfg: Config, boundaries: list[int], schedule: str, m: int, stage: int) -> dict[str, Any]:
     """In a fresh worker process: ``stage``'s worker alone (``run_stage_alone``); its trace and step marks."""
     marks = StepMarks(LR)
-    job = JobConfig(model=wide_mlp(cfg), dataset=make_data(cfg), boundaries=boundaries,
-                    **train_options(cfg, schedule, m, optimizer=marks))
+    o = train_options(cfg, schedule, m, optimizer=marks)
+    training = Training(model=wide_mlp(cfg), dataset=make_data(cfg), loss_fn=o["loss_fn"], optimizer=o["optimizer"],
+                        batch_size=o["batch_size"], shuffle=o["shuffle"])
+    job = JobConfig(training, RunOptions(threads=o["threads"]), Pipeline(), o["schedule"], Layout.pipeline(boundaries))
     return {"trace": run_stage_alone(job, stage, cfg.minibatches, device="cpu"), "marks": marks.marks}
 
 

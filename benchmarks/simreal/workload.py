@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pipetrain.registry import make
+
 LR = 1e-3
 
 
@@ -88,7 +90,8 @@ def make_data(cfg: Config, seed: int = 0) -> TensorDataset:
 
 
 def train_options(cfg: Config, schedule: str, m: int, **changes: Any) -> dict[str, Any]:
-    """The options of every run of ``schedule`` with ``m`` microbatches, as ``pipetrain.train`` and
-    ``JobConfig`` both take them (all but the model, data, stages and tracing), with ``changes``."""
-    return {"loss_fn": F.cross_entropy, "optimizer": functools.partial(torch.optim.SGD, lr=LR), "schedule": schedule,
-            "batch_size": cfg.batch, "microbatches": m, "epochs": 1, "shuffle": False, "threads": 1, **changes}
+    """The ``pipetrain.train`` options of every run of ``schedule`` with ``m`` microbatches (all but the
+    model, data, stages and tracing), with ``changes``."""
+    return {"loss_fn": F.cross_entropy, "optimizer": functools.partial(torch.optim.SGD, lr=LR),
+            "schedule": make("schedule", schedule, {"microbatches": m} if m > 1 else {}),
+            "batch_size": cfg.batch, "epochs": 1, "shuffle": False, "threads": 1, **changes}

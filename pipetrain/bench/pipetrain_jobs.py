@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import pipetrain
-from pipetrain.registry import from_options
+from pipetrain.registry import CGDP, from_options
 from pipetrain.bench.load import machine_busy_s
 from pipetrain.bench.measure import PeerConfig, TxSampler, finish, init_group
 from pipetrain.strategies.cgdp import layer_parameters
@@ -61,8 +61,10 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
     # pipetrain.train skips the final all_gather; a benchmark rank is a torchrun-style rank whose
     # caller needs the history on every rank, so drop the mark before train reads it.
     os.environ.pop("PIPETRAIN_SPAWNED", None)
+    strategy, schedule = from_options(**{"strategy": "pipeline", **{
+        k: v for k, v in options.items() if k not in ("stages", "bandwidth") and (k, v) != ("microbatches", 1)}})
     warmup = max(1, cfg.warmup)
-    if options.get("strategy") == "cgdp" and options.get("chunk", "auto") == "auto":
+    if isinstance(strategy, CGDP) and strategy.chunk == "auto":
         # the windows come after the run-time chunk search (it skips the first iteration)
         warmup = max(warmup, search_length(len(layer_parameters(cfg.build()))) + 1)
     steps = warmup + cfg.windows * cfg.steps_per_window + 1
@@ -77,8 +79,6 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
     layout = {k: options[k] for k in ("stages", "bandwidth") if k in options}
     if options.get("strategy", "pipeline") != "pipeline" or options.get("stages") == "auto":
         layout["workers"] = int(os.environ["WORLD_SIZE"])  # explicit stages place the workers
-    strategy, schedule = from_options(**{"strategy": "pipeline", **{k: v for k, v in options.items()
-                                                                    if k not in ("stages", "bandwidth")}})
     try:
         result = pipetrain.train(
             cfg.build(), data, loss_fn=cfg.spec.loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr),
