@@ -1,4 +1,6 @@
-"""The ``pipetrain`` command. Thin: parse, call the API, print. Errors are printed as one line."""
+"""The ``pipetrain`` command: each subcommand parses its flags, calls the Python API and prints.
+
+Errors are printed as one line."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +12,15 @@ from pipetrain.errors import first_line
 
 __all__ = ["build_parser", "main"]
 
+DESCRIPTION = """Train a PyTorch model over several workers when communication is the bottleneck: PipeDream
+pipeline parallelism, Pipe-SGD and CPU-GPU data parallelism (CGDP), or let pipetrain pick the fastest.
+
+Start with `pipetrain demo`; `pipetrain train --strategy auto --workers N ...` trains your own model.
+`pipetrain COMMAND --help` describes each command."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = common.Parser(prog="pipetrain", description=__doc__)
+    parser = common.Parser(prog="pipetrain", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train.register(sub)
     planning.register(sub)
