@@ -155,7 +155,4 @@ def build_data_parallel(name: str, workers: int, minibatches: int, staleness: in
     spec: StrategySpec = lookup(STRATEGIES, name, "strategy")
     if not spec.data_parallel:
         raise ValueError(f"strategy {name!r} is not data parallel; use build_schedule for pipelines")
-    if workers < 1 or minibatches < 0:
-        raise ValueError(f"need workers >= 1 and minibatches >= 0, got {workers}, {minibatches}")
-    lists = gen.stale_sync(gen.p2p_pass([workers], gen.data_parallel_order(workers, minibatches)), staleness)
-    return Schedule(name, (workers,), tuple(map(tuple, lists)), sharded=True)
+    return gen.data_parallel(workers, minibatches, staleness, name)
