@@ -12,7 +12,8 @@ from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.registry import build_schedule
 from pipetrain.schedule import ScheduleError
 from pipetrain.schedule.actions import Action, Schedule
-from pipetrain.simulate import Link, simulate, stage_costs
+from pipetrain.simulate import Link, simulate
+from pipetrain.stagecost import stage_costs
 
 F, B = 1e-3, 2e-3  # seconds per layer per minibatch; backward = 2 x forward as in practice
 

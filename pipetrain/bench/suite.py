@@ -459,7 +459,7 @@ def _target(name: str, value: float) -> dict[str, Any]:
 
 def _predictions(cfg: SuiteConfig, peer: PeerConfig, runs: dict[str, dict[int, dict[str, Any]]], update_s: float,
                  link_bps: float, launch: Launcher) -> dict[str, dict[str, Any]]:
-    """Each data-parallel system's samples/s predicted by :func:`pipetrain.simulate.predict_data_parallel`
+    """Each data-parallel system's samples/s predicted by :func:`pipetrain.predict.predict_data_parallel`
     beside what it measured, from inputs measured apart from the runs: one worker's forward + backward
     profiled here on its shard (batch / workers, the workers' thread count), the SGD step alone, the
     link at the measured TCP payload rate, the codec's arithmetic timed here, and the CPU one ring
@@ -467,7 +467,9 @@ def _predictions(cfg: SuiteConfig, peer: PeerConfig, runs: dict[str, dict[int, d
     the same hosts; the CPU counts when workers have under 2 cores each, as the emulated hosts share
     this machine's); ddp as synchronous SGD (eq. 2)."""
     from pipetrain.bench.peers import ring_cost
-    from pipetrain.simulate import Link, predict_data_parallel
+    from pipetrain.planning.choose import data_parallel_flags
+    from pipetrain.predict import predict_data_parallel
+    from pipetrain.simulate import Link
 
     profile = _profile(cfg, peer, cfg.batch_size // cfg.workers)
     cores = (os.cpu_count() or 1) / cfg.workers
@@ -477,8 +479,8 @@ def _predictions(cfg: SuiteConfig, peer: PeerConfig, runs: dict[str, dict[int, d
     systems = {"ddp": ("ddp", None, None), **{s: ("pipe-sgd", codec, 2) for s, codec in PIPE_SGD.items()}}
     out = {}
     with torch_threads(cfg.threads):  # the codec's arithmetic is timed as a worker runs it
-        preds = {system: predict_data_parallel(profile, strategy, cfg.workers, Link(link_bps / 8, latency),
-                                               batch_size=cfg.batch_size, staleness=k, compression=codec,
+        preds = {system: predict_data_parallel(profile, cfg.workers, Link(link_bps / 8, latency),
+                                               batch_size=cfg.batch_size, **data_parallel_flags(strategy, k, codec),
                                                update_s=update_s, comm_cpu_s=comm_cpu.get(system, 0.0),
                                                cores_per_worker=cores)
                  for system, (strategy, codec, k) in systems.items() if system in runs}

@@ -13,13 +13,14 @@ import torch
 from pipetrain.cli.common import add_optimizer_options, call_factory, load_loss, optimizer_of, parse_stages
 from pipetrain.layers import split_points
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
-from pipetrain.planning.choose import CANDIDATES, choose_strategy
+from pipetrain.planning.choose import CANDIDATES, choose_strategy, data_parallel_flags
 from pipetrain.planning.units import format_bandwidth
+from pipetrain.predict import predict_cgdp, predict_data_parallel
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
 from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.runtime.worker import collate_parts
-from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
+from pipetrain.simulate import Link, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
 
@@ -277,9 +278,9 @@ def _simulate_data_parallel(args: argparse.Namespace) -> None:
     if args.strategy == "cgdp":
         return _simulate_cgdp(args, profile)
     link = Link(parse_bandwidth(args.bandwidth), args.latency)
-    result = predict_data_parallel(profile, args.strategy, args.workers, link, batch_size=args.batch_size,
-                                   staleness=args.staleness, compression=args.compression, update_s=args.update_s,
-                                   minibatches=args.minibatches or 32)
+    flags = data_parallel_flags(args.strategy, args.staleness, args.compression)
+    result = predict_data_parallel(profile, args.workers, link, batch_size=args.batch_size, **flags,
+                                   update_s=args.update_s, minibatches=args.minibatches or 32)
     names = [f"worker {w}" for w in range(args.workers)]
     title = f"{args.strategy}, {args.workers} workers: simulated"
     if args.png:

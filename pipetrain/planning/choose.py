@@ -18,10 +18,11 @@ from pipetrain.costs import ring_allreduce_time
 from pipetrain.planning.partition import plan
 from pipetrain.planning.result import Plan
 from pipetrain.planning.units import format_bandwidth, parse_bandwidth
+from pipetrain.predict import predict_cgdp, predict_data_parallel
 from pipetrain.profiling import Profile
 from pipetrain.registry import build_schedule
 from pipetrain.runsetup import torch_threads
-from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
+from pipetrain.simulate import Link, simulate
 
 CANDIDATES: dict[str, dict[str, Any]] = {
     "pipeline": {"strategy": "pipeline", "schedule": "pipedream"},
@@ -146,9 +147,8 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
         elif name == "cgdp":
             rate, opts["chunk"] = _best_chunk(profile, workers, batch, host_costs)
         else:
-            rate = predict_data_parallel(profile, opts["strategy"], workers, link, batch,
-                                         staleness=opts.get("staleness"), compression=opts.get("compression"),
-                                         minibatches=minibatches).samples_per_s
+            flags = data_parallel_flags(opts["strategy"], opts.get("staleness"), opts.get("compression"))
+            rate = predict_data_parallel(profile, workers, link, batch, **flags, minibatches=minibatches).samples_per_s
         predictions[name], options[name] = rate, opts
         if name in COMPRESSED and not allow_compression:
             skipped[name] = "changes the arithmetic: allow_compression=True (--allow-compression) to pick it"
@@ -166,6 +166,25 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
     if faster:
         reason += f" ({faster[0]} would be {predictions[faster[0]] / allowed[best]:.2f}x, with compression allowed)"
     return Choice(best, predictions, options, skipped, reason)
+
+
+def data_parallel_flags(strategy: str, staleness: int | None = None,
+                        compression: str | None = None) -> dict[str, Any]:
+    """How ``ddp`` or ``pipe-sgd`` synchronizes, as :func:`pipetrain.predict.predict_data_parallel`'s
+    flags: ddp is synchronous on the backend's allreduce, its buckets inside the backward; pipe-sgd
+    runs our own ring with staleness K (default 2) and an optional codec.
+
+    Raises:
+        ValueError: another strategy, or staleness or compression given to ddp.
+    """
+    if strategy == "ddp":
+        if staleness is not None or compression is not None:
+            raise ValueError(f"strategy {strategy!r} takes no staleness or compression; those are pipe-sgd's")
+        return {"staleness": 1, "own_ring": False, "buckets_in_backward": True}
+    if strategy == "pipe-sgd":
+        return {"staleness": 2 if staleness is None else staleness, "compression": compression, "own_ring": True,
+                "buckets_in_backward": False}
+    raise ValueError(f"strategy {strategy!r} has no data-parallel prediction of this kind; use ddp or pipe-sgd")
 
 
 def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int, schedule: str = "pipedream",
