@@ -17,7 +17,7 @@ times in rotating order and the median is kept.
 
 Per-iteration sync overhead = iteration time - ``alone``, and beside it the
 part that is not CPU contention: iteration time - ``alone x M``. The cost model's prediction for each
-chunk (``pipetrain.simulate.predict_cgdp``, CGDP eq. 1-2) uses a profile of one shard taken here, the
+chunk (``pipetrain.predict.predict_cgdp``, CGDP eq. 1-2) uses a profile of one shard taken here, the
 SGD step measured here, host copy and sum rates measured here (``measure_host_costs``) and the latency
 of one 1-float allreduce between the workers, measured on loopback.
 """
@@ -41,7 +41,7 @@ from pipetrain.bench.stages import stage_times
 from pipetrain.bench.torch_peers import ddp, no_sync
 from pipetrain.profiling import profile_model
 from pipetrain.runtime.launch import keep_freed_memory, spawn
-from pipetrain.simulate import predict_cgdp
+from pipetrain.predict import predict_cgdp
 from pipetrain.strategies.cgdp import layer_parameters, measure_host_costs
 
 

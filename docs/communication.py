@@ -21,7 +21,7 @@ from pipetrain.costs import dp_sync_bytes
 from pipetrain.planning import Plan, plan
 from pipetrain.planning.units import format_bytes
 from pipetrain.profiling import Profile
-from pipetrain.simulate import stage_costs
+from pipetrain.stagecost import stage_costs
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("alexnet", "vgg16", "resnet18", "resnet50", "inception_v3", "gnmt")

@@ -16,7 +16,8 @@ from pipetrain.config import Training
 from pipetrain.errors import one_line
 from pipetrain.layers import LayerError
 from pipetrain.planning import Plan, plan
-from pipetrain.planning.choose import Choice, choose_strategy, predict_plan
+from pipetrain.planning.choose import Choice, choose_strategy
+from pipetrain.predict.pipeline import predict_plan
 from pipetrain.planning.units import parse_bandwidth
 from pipetrain.profiling import Profile, as_minibatch, profile_model, time_batching
 from pipetrain.registry import PipelineSchedule, Strategy, make

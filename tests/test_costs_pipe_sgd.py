@@ -10,10 +10,12 @@ import pytest
 
 from pipetrain import costs
 from pipetrain.cli import main
+from pipetrain.registry import PipeSGD, make
+from pipetrain.predict import predict_data_parallel
 from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.registry import build_data_parallel
 from pipetrain.schedule import validate
-from pipetrain.simulate import Link, predict_data_parallel
+from pipetrain.simulate import Link
 
 
 def test_a_rings_cpu_and_where_it_is_charged_by_hand() -> None:
@@ -60,7 +62,7 @@ def test_simulator_runs_the_data_parallel_schedule_at_the_closed_form(staleness:
     """The same action lists the runtime runs give eq. 4 (K >= 2) and eq. 2 (K = 1) in steady state
     (the drained updates at the end, back to back, are not steady state and are left out)."""
     profile = one_layer()
-    pred = predict_data_parallel(profile, "pipe-sgd", 2, Link(bandwidth), staleness=staleness, update_s=update,
+    pred = predict_data_parallel(profile, 2, Link(bandwidth), staleness=staleness, own_ring=True, update_s=update,
                                  reduce_s=0.0, minibatches=40)
     compute = (0.01 + 0.02) / 2  # each of 2 workers takes half of the 8 samples
     comm = 4_000_000 / bandwidth  # 2 (p-1)/p n β with p = 2: the whole gradient once
@@ -72,20 +74,22 @@ def test_simulator_runs_the_data_parallel_schedule_at_the_closed_form(staleness:
 
 
 def test_compression_shrinks_the_payload_the_model_charges() -> None:
-    plain = predict_data_parallel(one_layer(), "pipe-sgd", 4, Link(1e8), reduce_s=0.0)
-    trunc = predict_data_parallel(one_layer(), "pipe-sgd", 4, Link(1e8), compression="trunc16", reduce_s=0.0)
-    quant = predict_data_parallel(one_layer(), "pipe-sgd", 4, Link(1e8), compression="quant8", reduce_s=0.0)
+    plain = predict_data_parallel(one_layer(), 4, Link(1e8), staleness=2, own_ring=True, reduce_s=0.0)
+    trunc = predict_data_parallel(one_layer(), 4, Link(1e8), staleness=2, own_ring=True, compression="trunc16", reduce_s=0.0)
+    quant = predict_data_parallel(one_layer(), 4, Link(1e8), staleness=2, own_ring=True, compression="quant8", reduce_s=0.0)
     assert plain.payload_bytes == 4_000_000 and trunc.payload_bytes == 2_000_000
     # 1M floats in 4 blocks of 250,880 (a multiple of 1024): a byte each plus a float32 scale per 1024
     assert quant.payload_bytes == 4 * (250_880 + 4 * 245)
     assert plain.comm_s > trunc.comm_s > quant.comm_s
-    with pytest.raises(ValueError, match="takes no staleness or compression"):
-        predict_data_parallel(one_layer(), "ddp", 2, Link(1e8), compression="quant8")
+    with pytest.raises(ValueError, match="the backend's allreduce takes no compression"):
+        predict_data_parallel(one_layer(), 2, Link(1e8), buckets_in_backward=True, compression="quant8")
+    with pytest.raises(ValueError, match="compression applies to strategy 'pipe-sgd', not 'ddp'"):
+        make("strategy", "ddp", {"compression": "quant8"})
 
 
 def test_data_parallel_schedule_is_valid_and_drains() -> None:
     for k in (1, 2, 3):
-        s = build_data_parallel("pipe-sgd", 3, 7, staleness=k)
+        s = build_data_parallel(PipeSGD(staleness=k), 3, 7)
         validate(s)
         acts = [str(a) for a in s.actions[0]]
         assert acts.count("U0") == 1 and [a for a in acts if a[0] == "U"] == [f"U{t}" for t in range(7)]
@@ -93,7 +97,7 @@ def test_data_parallel_schedule_is_valid_and_drains() -> None:
         for t in range(7 - k + 1):
             assert acts.index(f"U{t}") > acts.index(f"B{t + k - 1}") and acts.index(f"U{t}") < acts.index(
                 f"F{t + k}") if t + k < 7 else True
-    assert " ".join(map(str, build_data_parallel("pipe-sgd", 2, 3, 2).actions[1])) == \
+    assert " ".join(map(str, build_data_parallel(PipeSGD(staleness=2), 2, 3).actions[1])) == \
         "F0 B0 A0 F1 B1 A1 S0 U0 F2 B2 A2 S1 U1 S2 U2"
 
 

@@ -18,13 +18,15 @@ from pt_models import Spell
 import pipetrain
 from pipetrain import costs
 from pipetrain.planning import Plan, StagePlan, plan
-from pipetrain.planning.choose import choose_strategy, predict_plan
+from pipetrain.planning.choose import choose_strategy
 from pipetrain.jsonfile import read_field
+from pipetrain.predict import predict_cgdp, predict_data_parallel
+from pipetrain.predict.pipeline import predict_plan
 from pipetrain.profiling import LayerProfile, Profile, as_minibatch, profile_model
-from pipetrain.registry import build_schedule
+from pipetrain.registry import GPipe, build_schedule
 from pipetrain.runsetup import (COMPUTING_ROUNDS_SECONDS, SETTLE_EXCESS, STAGGER_S, Setup, _computing_rounds, _jitter,
                                 _staggered_calls, measure_setup, model_step)
-from pipetrain.simulate import Link, predict_data_parallel, simulate
+from pipetrain.simulate import Link, simulate
 
 MS = 1e-3
 
@@ -39,6 +41,12 @@ def setup(**changes: float) -> Setup:
 def two_layers(with_setup: Setup | None) -> Profile:
     layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 1000, 400, optimizer_s=0.5 * MS) for i in range(2)]
     return Profile(layers, batch_size=1, device="test", input_bytes=10, setup=with_setup)
+
+
+DDP = {"buckets_in_backward": True}
+"""How ddp synchronizes: the backend's allreduce, its buckets inside the backward, K = 1."""
+PIPE_SGD = {"staleness": 2, "own_ring": True}
+"""How pipe-sgd synchronizes by default: our own ring, K = 2."""
 
 
 def test_a_measured_setup_times_every_action_as_worked_out_by_hand():
@@ -68,7 +76,7 @@ def test_a_schedule_of_microbatches_prices_its_stages_from_the_set_ups_step_at_a
         measured = setup(cores=8, slowdown=1.0, latency_s=0.0, s_per_byte=0.0, message_cpu_s=0.0, step_s=step_s,
                          step_rows=step_rows)
         profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=measured)
-        times = {a: e - s for a, s, e in simulate(build_schedule("gpipe", [1, 1], 1, 4), profile, [0, 1]).trace[0]}
+        times = {a: e - s for a, s, e in simulate(build_schedule(GPipe(microbatches=4), [1, 1], 1), profile, [0, 1]).trace[0]}
         return times["F0.0"], times["B0.0"]
 
     assert first_forward_and_backward(2) == (pytest.approx(0.5 * MS), pytest.approx(1 * MS))
@@ -80,7 +88,7 @@ def test_a_microbatchs_backward_after_the_first_adds_its_gradients_into_grad():
     """gpipe, one stage of both layers (800 parameter bytes), 3 microbatches, slowdown 2: F 2 ms / 3 x 2,
     B 4 ms / 3 x 2; the second and third backward of a minibatch also add 800 B x 1 us/B into .grad
     (0.8 ms x 2); the update (1 ms x 2) clears .grad, so the next minibatch's first backward adds nothing."""
-    result = simulate(build_schedule("gpipe", [1], 2, 3), two_layers(setup(add_s_per_byte=1e-6)), [0])
+    result = simulate(build_schedule(GPipe(microbatches=3), [1], 2), two_layers(setup(add_s_per_byte=1e-6)), [0])
     f, b, add, u = 4 / 3, 8 / 3, 1.6, 2.0
     by_hand = [f, f, f, b, b + add, b + add, u] * 2
     assert [(e - s) / MS for _, s, e in result.trace[0]] == pytest.approx(by_hand)
@@ -137,7 +145,7 @@ def test_a_step_priced_stage_alone_keeps_the_steps_own_part_of_its_slowdown():
     layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 1000, 400) for i in range(2)]
     measured = _no_messages(cores=2, step_s=3 * MS, step_rows=2)
     profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=measured)
-    times = {a: e - s for a, s, e in simulate(build_schedule("gpipe", [1, 1], 1, 4), profile, [0, 1]).trace[0]}
+    times = {a: e - s for a, s, e in simulate(build_schedule(GPipe(microbatches=4), [1, 1], 1), profile, [0, 1]).trace[0]}
     assert times["F0.0"] == pytest.approx(0.25 * MS * 2 / 1.5)
 
 
@@ -220,9 +228,9 @@ def test_gradient_allreduces_are_priced_with_the_measured_allreduces_not_the_mes
     ours, backend = 2 * 3 * MS + 800 * 2e-6, 2 * 0.5 * MS + 800 * 2e-6
     times = {a: (s, e) for a, s, e in simulate(build_schedule("pipedream", [2], 4), profile, [0]).trace[0]}
     assert times["S0"][1] - times["A0"][0] == pytest.approx(backend)  # both layers' 400 bytes: one bucket
-    assert predict_data_parallel(profile, "pipe-sgd", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(ours)
-    assert predict_data_parallel(profile, "ddp", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(backend)
-    without = predict_data_parallel(two_layers(setup(cores=8, slowdown=1.0)), "pipe-sgd", 2, Link(), reduce_s=0.0)
+    assert predict_data_parallel(profile, 2, Link(), **PIPE_SGD, reduce_s=0.0).comm_s == pytest.approx(ours)
+    assert predict_data_parallel(profile, 2, Link(), **DDP, reduce_s=0.0).comm_s == pytest.approx(backend)
+    without = predict_data_parallel(two_layers(setup(cores=8, slowdown=1.0)), 2, Link(), **PIPE_SGD, reduce_s=0.0)
     assert without.comm_s == pytest.approx(2 * 1 * MS + 800 * 1e-6)
 
 
@@ -237,11 +245,11 @@ def test_a_gradient_of_one_probed_bucket_moves_at_the_backends_own_rate_at_sync_
     at_sync, ours = 2 * 0.5 * MS + 800 * 5e-6, 2 * 3 * MS + 800 * 2e-6
     times = {a: (s, e) for a, s, e in simulate(build_schedule("pipedream", [2], 4), two_layers(probed), [0]).trace[0]}
     assert times["S0"][1] - times["A0"][0] == pytest.approx(at_sync)
-    assert predict_data_parallel(two_layers(probed), "ddp", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(at_sync)
-    assert predict_data_parallel(two_layers(probed), "pipe-sgd", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(ours)
+    assert predict_data_parallel(two_layers(probed), 2, Link(), **DDP, reduce_s=0.0).comm_s == pytest.approx(at_sync)
+    assert predict_data_parallel(two_layers(probed), 2, Link(), **PIPE_SGD, reduce_s=0.0).comm_s == pytest.approx(ours)
     smaller = two_layers(dataclasses.replace(probed, allreduce_bytes=400))
     busy = 2 * 0.5 * MS + 800 * 2e-6
-    assert predict_data_parallel(smaller, "ddp", 2, Link(), reduce_s=0.0).comm_s == pytest.approx(busy)
+    assert predict_data_parallel(smaller, 2, Link(), **DDP, reduce_s=0.0).comm_s == pytest.approx(busy)
 
 
 def test_our_ring_moves_at_the_busy_rate_while_the_workers_compute_beside_it_and_at_the_idle_rate_after():
@@ -257,19 +265,19 @@ def test_our_ring_moves_at_the_busy_rate_while_the_workers_compute_beside_it_and
     measured = setup(cores=8, slowdown=1.0, ring_latency_s=3 * MS, ring_s_per_byte=2e-6, allreduce_latency_s=0.5 * MS,
                      idle_ring_latency_s=1 * MS, idle_ring_s_per_byte=1e-6)
 
-    def comm_s(profile: Profile, strategy: str = "pipe-sgd", **options: float) -> float:
-        return predict_data_parallel(profile, strategy, 2, Link(), reduce_s=0.0, **options).comm_s  # type: ignore[arg-type]
+    def comm_s(profile: Profile, flags: dict[str, object] = PIPE_SGD, **options: float) -> float:
+        return predict_data_parallel(profile, 2, Link(), reduce_s=0.0, **{**flags, **options}).comm_s  # type: ignore[arg-type]
 
     assert comm_s(two_layers(measured)) == pytest.approx(4 * MS + (1 - 4 / 7.6) * idle)
     assert comm_s(two_layers(measured), staleness=1) == pytest.approx(idle)
     assert comm_s(two_layers(measured), update_s=5 * MS) == pytest.approx(busy)
-    assert comm_s(two_layers(measured), "ddp") == pytest.approx(2 * 0.5 * MS + 800 * 2e-6)
+    assert comm_s(two_layers(measured), DDP) == pytest.approx(2 * 0.5 * MS + 800 * 2e-6)
     old = Setup.from_dict({k: v for k, v in dataclasses.asdict(measured).items() if not k.startswith("idle_ring")},
                           read_field)
     assert comm_s(two_layers(old)) == pytest.approx(busy)
     timed = dataclasses.replace(measured, idle_ring_s={"none": 3.5 * MS}, ring_cpu_bytes=800)
     assert comm_s(two_layers(timed)) == pytest.approx(3.5 * MS + 4 * MS * (1 - 3.5 / 7.6))
-    slow = predict_data_parallel(two_layers(timed), "pipe-sgd", 2, Link(2e5), reduce_s=0.0).comm_s
+    slow = predict_data_parallel(two_layers(timed), 2, Link(2e5), **PIPE_SGD, reduce_s=0.0).comm_s
     assert slow == pytest.approx(4 * MS + 4 * MS * (1 - 4 / 10))
     assert comm_s(two_layers(dataclasses.replace(timed, ring_cpu_bytes=1600))) == \
         pytest.approx(4 * MS + (1 - 4 / 7.6) * idle)  # timed at another gradient: the line
@@ -285,12 +293,12 @@ def test_pipe_sgds_mean_is_one_pass_over_the_gradient_after_its_ring():
     DDP's backend divides inside its allreduce: nothing is added to it."""
     measured = setup(cores=8, ring_latency_s=3 * MS, ring_s_per_byte=2e-6, allreduce_latency_s=0.5 * MS,
                      add_s_per_byte=1e-6)
-    assert predict_data_parallel(two_layers(measured), "pipe-sgd", 2, Link(), reduce_s=0.0).comm_s == \
+    assert predict_data_parallel(two_layers(measured), 2, Link(), **PIPE_SGD, reduce_s=0.0).comm_s == \
         pytest.approx(2 * 3 * MS + 800 * 2e-6 + 2 * 0.8 * MS)
-    assert predict_data_parallel(two_layers(measured), "ddp", 2, Link(), reduce_s=0.0).comm_s == \
+    assert predict_data_parallel(two_layers(measured), 2, Link(), **DDP, reduce_s=0.0).comm_s == \
         pytest.approx(2 * 0.5 * MS + 800 * 2e-6)
     shared = setup(workers=4, cores=4, ring_cpu_s=1 * MS, ring_cpu_s_per_byte=1e-6, add_s_per_byte=1e-6)
-    assert predict_data_parallel(two_layers(shared), "pipe-sgd", 4, Link(), reduce_s=0.0).update_s == \
+    assert predict_data_parallel(two_layers(shared), 4, Link(), **PIPE_SGD, reduce_s=0.0).update_s == \
         pytest.approx(2 * MS + 7.2 * MS + 0.8 * MS)
 
 
@@ -303,7 +311,7 @@ def test_pipe_sgd_charges_the_rings_measured_cpu_spread_over_the_shared_cores():
     compute all at once runs 3x slower on those half cores, the ring's CPU and the update do too."""
     def step_s(**changes: float) -> float:
         measured = setup(**{"workers": 4, "ring_cpu_s": 1 * MS, "ring_cpu_s_per_byte": 1e-6, **changes})
-        return predict_data_parallel(two_layers(measured), "pipe-sgd", 4, Link(), reduce_s=0.0).update_s
+        return predict_data_parallel(two_layers(measured), 4, Link(), **PIPE_SGD, reduce_s=0.0).update_s
 
     assert step_s(cores=2) == pytest.approx(2 * MS + 2 * 7.2 * MS)
     assert step_s(cores=2, slowdown=3.0) == pytest.approx(3 * MS + 3 * 7.2 * MS)
@@ -326,7 +334,7 @@ def test_where_workers_share_cores_pipe_sgd_is_priced_from_its_loop_as_the_set_u
                   ring_cpu_s_per_byte=1e-6, ring_cpu_bytes=800, period_s={"none": 20 * MS, "quant8": 12 * MS})
 
     def predict(measured: Setup, link: Link = Link(), **options: object) -> object:
-        return predict_data_parallel(two_layers(measured), "pipe-sgd", 4, link, reduce_s=0.0, **options)  # type: ignore[arg-type]
+        return predict_data_parallel(two_layers(measured), 4, link, reduce_s=0.0, **{**PIPE_SGD, **options})  # type: ignore[arg-type]
 
     plain = predict(timed)
     assert (plain.comm_s, plain.update_s, plain.bound) == (pytest.approx(24.4 * MS), pytest.approx(3.6 * MS),
@@ -355,7 +363,7 @@ def test_a_codecs_ring_is_charged_the_cpu_the_set_up_measured_for_it_at_the_jobs
     def step_s(workers: int = 4, nbytes: int = 800) -> float:
         measured = setup(workers=workers, cores=workers, ring_cpu_s=1 * MS, ring_cpu_s_per_byte=1e-6,
                          add_s_per_byte=1e-6, codec_ring_cpu_s={"quant8": 5 * MS}, ring_cpu_bytes=nbytes)
-        return predict_data_parallel(two_layers(measured), "pipe-sgd", 4, Link(), compression="quant8",
+        return predict_data_parallel(two_layers(measured), 4, Link(), **PIPE_SGD, compression="quant8",
                                      reduce_s=0.0).update_s
 
     assert step_s() == pytest.approx(2 * MS + 5 * MS + 0.8 * MS)
@@ -396,7 +404,7 @@ def test_ddp_waits_only_for_the_allreduces_its_backward_did_not_hide():
     layers = [LayerProfile(str(i), 2 * MS, 20 * MS, 1000, mib2) for i in range(2)]
     measured = setup(cores=8, slowdown=1.0, ring_s_per_byte=5e-9, allreduce_latency_s=1 * MS)
     profile = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured)
-    ddp = predict_data_parallel(profile, "ddp", 2, Link(), reduce_s=0.0)
+    ddp = predict_data_parallel(profile, 2, Link(), **DDP, reduce_s=0.0)
     allreduce = 2 * MS + mib2 * 5e-9
     assert ddp.comm_s == pytest.approx(2 * MS + 2 * mib2 * 5e-9)  # the whole gradient at once
     waited = 10 * MS + 2 * allreduce - 20 * MS
@@ -412,8 +420,6 @@ def test_a_data_parallel_worker_computes_as_long_as_the_setups_step_at_its_shard
     3 ms and each layer's backward 15 ms: buckets ready at 15 and 30 ms, allreduced 15-27.49 and
     30-42.49 ms, 12.49 ms waited; the update keeps the set-up's slowdown (2 x 2 x 1 ms). A step of
     another batch (8 rows) says nothing of the shard: the slowdown prices it all, as before."""
-    from pipetrain.simulate import predict_cgdp
-
     mib2 = 2 << 20
     layers = [LayerProfile(str(i), 2 * MS, 20 * MS, 1000, mib2, optimizer_s=1 * MS) for i in range(2)]
 
@@ -423,11 +429,11 @@ def test_a_data_parallel_worker_computes_as_long_as_the_setups_step_at_its_shard
         return Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured)
 
     allreduce = 2 * MS + mib2 * 5e-9
-    ddp = predict_data_parallel(profile(16), "ddp", 2, Link(), reduce_s=0.0)
+    ddp = predict_data_parallel(profile(16), 2, Link(), **DDP, reduce_s=0.0)
     assert ddp.compute_s == pytest.approx(33 * MS)
     assert ddp.samples_per_s == pytest.approx(32 / (3 * MS + 30 * MS + (30 * MS + allreduce - 30 * MS) + 4 * MS))
     assert predict_cgdp(profile(16), 2, 1).iteration_s == pytest.approx(3 * MS + 30 * MS + 4 * MS)
-    other = predict_data_parallel(profile(8), "ddp", 2, Link(), reduce_s=0.0)
+    other = predict_data_parallel(profile(8), 2, Link(), **DDP, reduce_s=0.0)
     assert other.compute_s == pytest.approx(2 * 22 * MS)
     assert other.samples_per_s == pytest.approx(32 / (4 * MS + 40 * MS + allreduce + 4 * MS))
 
@@ -442,7 +448,7 @@ def test_building_a_minibatch_is_priced_on_its_first_forward_where_the_runtime_b
     times = [{a: (round(s / MS, 6), round(e / MS, 6)) for a, s, e in worker} for worker in result.trace]
     assert times[0]["F0"] == (0, 4) and times[1]["F0"] == (4, 10)
     assert result.makespan_s == pytest.approx(14.5 * MS)
-    gpipe = simulate(build_schedule("gpipe", [1, 1], 1, 2), built, [0, 1]).trace[0]
+    gpipe = simulate(build_schedule(GPipe(microbatches=2), [1, 1], 1), built, [0, 1]).trace[0]
     assert [round((e - s) / MS, 6) for a, s, e in gpipe if a.startswith("F")] == [3.5, 0.5]
 
 
@@ -451,8 +457,6 @@ def test_a_data_parallel_worker_builds_its_shard_at_the_setups_slowdown_not_the_
     minibatch's inputs 4 ms and targets 2 ms: each of 2 workers builds its half of both, 3 ms, at the
     set-up's slowdown (not the step's, which measured the model, not the data): 6 ms more per
     iteration, in ddp's compute and its rate, and in cgdp's iteration."""
-    from pipetrain.simulate import predict_cgdp
-
     mib2 = 2 << 20
     layers = [LayerProfile(str(i), 2 * MS, 20 * MS, 1000, mib2, optimizer_s=1 * MS) for i in range(2)]
     measured = setup(cores=8, slowdown=2.0, ring_s_per_byte=5e-9, allreduce_latency_s=1 * MS, step_s=33 * MS,
@@ -460,7 +464,7 @@ def test_a_data_parallel_worker_builds_its_shard_at_the_setups_slowdown_not_the_
     profile = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured, inputs_s=4 * MS,
                       targets_s=2 * MS)
     allreduce = 2 * MS + mib2 * 5e-9
-    ddp = predict_data_parallel(profile, "ddp", 2, Link(), reduce_s=0.0)
+    ddp = predict_data_parallel(profile, 2, Link(), **DDP, reduce_s=0.0)
     assert ddp.compute_s == pytest.approx(33 * MS + 6 * MS)
     iteration = 6 * MS + 3 * MS + 30 * MS + allreduce + 4 * MS  # build, forward, backward, the wait, update
     assert ddp.samples_per_s == pytest.approx(32 / iteration)
@@ -504,7 +508,7 @@ def test_a_one_stage_schedule_of_microbatches_computes_as_long_as_the_setups_ste
     def rate(rows: int, step_s: float) -> float:
         measured = setup(cores=8, slowdown=2.0, step_s=step_s, step_rows=rows)
         profile = Profile(layers, batch_size=32, device="test", input_bytes=1000, setup=measured)
-        return simulate(build_schedule("gpipe", [1], 6, 4), profile, [0]).samples_per_s
+        return simulate(build_schedule(GPipe(microbatches=4), [1], 6), profile, [0]).samples_per_s
 
     assert rate(8, 16.5 * MS) == pytest.approx(32 / (70 * MS))
     assert rate(32, 66 * MS) == pytest.approx(32 / (92 * MS))
@@ -525,7 +529,7 @@ def test_what_a_prediction_times_here_it_times_with_the_workers_thread_count(mon
     torch.set_num_threads(3)
     try:
         measured = two_layers(setup(threads=2, cores=8, workers=2))
-        predict_data_parallel(measured, "pipe-sgd", 2, Link(), compression="quant8")
+        predict_data_parallel(measured, 2, Link(), **PIPE_SGD, compression="quant8")
         choose_strategy(measured, 2, batch_size=2, strategies=["cgdp"])
         assert seen == [2, 2, 2] and torch.get_num_threads() == 3
     finally:
@@ -716,8 +720,8 @@ def test_a_gpipe_plan_is_predicted_at_its_microbatches():
     profile = Profile(layers, batch_size=8, device="test")
     straight = Plan([StagePlan(0, 1, 1), StagePlan(2, 3, 1)], noam=1, stage_time_s=3 * MS, speedup_vs_one=2,
                     speedup_vs_dp=1)
-    assert predict_plan(profile, straight, Link(), 8, "gpipe", microbatches=4) == pytest.approx(8 / (3.75 * MS))
-    assert predict_plan(profile, straight, Link(), 8, "gpipe") == pytest.approx(8 / (6 * MS))
+    assert predict_plan(profile, straight, Link(), 8, GPipe(microbatches=4)) == pytest.approx(8 / (3.75 * MS))
+    assert predict_plan(profile, straight, Link(), 8, GPipe()) == pytest.approx(8 / (6 * MS))
 
 
 def test_an_epochs_prediction_counts_filling_and_draining_the_pipeline():

@@ -13,7 +13,7 @@ from pipetrain.batches import collate_parts
 from pipetrain.config import JobConfig, RunOptions, Training
 from pipetrain.layout import Layout
 from pipetrain.registry import (
-    Auto, GPipe, PipeDream, Pipeline, PipelineSchedule, as_schedule, as_strategy, make,
+    Auto, GPipe, PipeDream, Pipeline, PipelineSchedule, as_schedule, as_strategy, schedule_of,
 )
 from pipetrain.runtime.solo import run_stage_alone
 from pipetrain.schedule import Action
@@ -55,7 +55,7 @@ def check_order(cfg: JobConfig, records: list[tuple[str, float, float]], rank: i
                                         ("naive", 1)])
 @pytest.mark.parametrize("stage", [0, 1])
 def test_each_stage_runs_its_schedule_alone(schedule, m, stage):
-    cfg = job(make("schedule", schedule, {"microbatches": m} if m > 1 else {}))
+    cfg = job(schedule_of(schedule, m))
     before = {k: v.clone() for k, v in cfg.training.model.state_dict().items()}
     records = run_stage_alone(cfg, stage, 4)
     check_order(cfg, records, stage, 4)

@@ -1,7 +1,7 @@
 """Schedules as data: exact orders, text round trip, deadlock freedom and in-flight counts."""
 import pytest
 
-from pipetrain.registry import GPipe, OneFOneBFlush, build_schedule, make
+from pipetrain.registry import GPipe, OneFOneBFlush, build_schedule, make, schedule_of
 from pipetrain.schedule import Action, Schedule, ScheduleError, noam, validate
 
 # PipeDream Figure 8 (n = 4, NOAM = 4): compute order per stage, 0-based minibatch ids.
@@ -56,7 +56,7 @@ def test_naive_has_the_pipedream_order():
                                         ("1f1b-flush", 1), ("model-parallel", 1)])
 @pytest.mark.parametrize("n", range(1, 9))
 def test_deadlock_free_and_in_flight_counts(name, micro, n):
-    s = build_schedule(make("schedule", name, {"microbatches": micro} if micro > 1 else {}), [1] * n, 2 * n + 3)
+    s = build_schedule(schedule_of(name, micro), [1] * n, 2 * n + 3)
     peak = validate(s)["peak_in_flight"]
     if name in ("pipedream", "naive"):
         assert peak[0] == noam([1] * n) == n  # the input stage holds NOAM minibatches
@@ -76,7 +76,7 @@ def test_replicated_pipedream_is_deadlock_free(replicas):
 
 
 def test_text_form_round_trips():
-    for s in (build_schedule("pipedream", [2, 1], 4), build_schedule("gpipe", [1, 1, 1], 2, 2)):
+    for s in (build_schedule("pipedream", [2, 1], 4), build_schedule(GPipe(microbatches=2), [1, 1, 1], 2)):
         assert Schedule.from_text(s.to_text()) == s
     assert Action.parse("F3.1") == Action("F", 3, 1) and str(Action("RB", 7)) == "RB7"
     with pytest.raises(ValueError, match="cannot parse action"):

@@ -9,10 +9,11 @@ import pytest
 from pipetrain.cli import main
 from pipetrain.planning.result import Plan, StagePlan
 from pipetrain.profiling import LayerProfile, Profile
-from pipetrain.registry import build_schedule
+from pipetrain.registry import GPipe, OneFOneBFlush, build_schedule, schedule_of
 from pipetrain.schedule import ScheduleError
 from pipetrain.schedule.actions import Action, Schedule
-from pipetrain.simulate import Link, simulate, stage_costs
+from pipetrain.simulate import Link, simulate
+from pipetrain.stagecost import stage_costs
 
 F, B = 1e-3, 2e-3  # seconds per layer per minibatch; backward = 2 x forward as in practice
 
@@ -23,7 +24,7 @@ def equal_profile(layers: int, activation_bytes: int = 1000, parameter_bytes: in
 
 
 def straight(name: str, p: int, minibatches: int, microbatches: int = 1, link: Link = Link()):
-    return simulate(build_schedule(name, [1] * p, minibatches, microbatches), equal_profile(p),
+    return simulate(build_schedule(schedule_of(name, microbatches), [1] * p, minibatches), equal_profile(p),
                     list(range(p)), link=link)
 
 
@@ -72,7 +73,7 @@ def test_activation_stash_follows_in_flight_counts():
 def test_transfers_serialize_per_link_direction():
     # stage 0 sends 4 microbatches' activations 0.25 ms apart; each takes 10 ms on the wire, so they queue
     wire = 10e-3
-    schedule = build_schedule("gpipe", [1, 1], 1, 4)
+    schedule = build_schedule(GPipe(microbatches=4), [1, 1], 1)
     result = simulate(schedule, equal_profile(2), [0, 1], link=Link(250 / wire))
     sends = [s for text, s, _ in result.trace[0] if text.startswith("SF")]
     arrivals = [e for text, _, e in result.trace[1] if text.startswith("RF")]
@@ -99,7 +100,7 @@ def test_replicated_stage_syncs_and_round_robins():
 
 
 def test_trace_runs_the_schedule_actions_in_order():
-    schedule = build_schedule("1f1b-flush", [1, 1, 1], 2, 2)
+    schedule = build_schedule(OneFOneBFlush(microbatches=2), [1, 1, 1], 2)
     result = simulate(schedule, equal_profile(3), [0, 1, 2], link=Link(1e6, 1e-4))
     for w, records in enumerate(result.trace):
         assert [Action.parse(text) for text, _, _ in records] == list(schedule.actions[w])

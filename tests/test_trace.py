@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pipetrain.registry import build_schedule
+from pipetrain.registry import GPipe, build_schedule
 from pipetrain.simulate import simulate
 from pipetrain.trace import (
     aligned, deliveries, draw_timeline, durations, seconds_by_kind, step_rates, update_ends, write_chrome_trace,
@@ -74,7 +74,7 @@ def test_durations_seconds_by_kind_and_step_rates():
     by_kind = seconds_by_kind(records, 100.0005, 100.005)
     assert by_kind == pytest.approx({"F": 0.0005, "SF": 0.0001, "RB": 0.0029, "B": 0.001})
     assert update_ends(records) == [100.0061]
-    sim = simulate(build_schedule("gpipe", [1, 1], 4, 2), equal_profile(4), [0, 2], batch_size=8)
+    sim = simulate(build_schedule(GPipe(microbatches=2), [1, 1], 4), equal_profile(4), [0, 2], batch_size=8)
     ends = update_ends(sim.trace[-1])
     rates = step_rates(sim.trace, 8)
     assert len(rates) == 4 and rates[-1] == pytest.approx(8 / (ends[-1] - ends[-2]))

@@ -32,7 +32,7 @@ from torch.utils.data import TensorDataset
 
 import pipetrain
 from pipetrain.profiling import LayerProfile, Profile, time_batching
-from pipetrain.registry import build_schedule
+from pipetrain.registry import build_schedule, schedule_of
 from pipetrain.runsetup import Setup, measure_setup, model_step
 from pipetrain.simulate import Link, simulate
 from pipetrain.trace import Record, deliveries, durations, step_rates
@@ -58,7 +58,7 @@ def predict(cfg: Config, schedule: str, m: int, profile: Profile, boundaries: li
             update_s: float | None) -> Prediction:
     """Simulate ``schedule`` (``cfg.minibatches`` minibatches, ``m`` microbatches) on one worker per stage
     (``update_s`` None: each stage's optimizer steps from the profile)."""
-    sched = build_schedule(schedule, [1] * len(boundaries), cfg.minibatches, m)
+    sched = build_schedule(schedule_of(schedule, m), [1] * len(boundaries), cfg.minibatches)
     sim = simulate(sched, profile, boundaries, link, batch_size=cfg.batch, update_s=update_s)
     return Prediction(rate(cfg, sim.trace), sim.samples_per_s or math.nan, sim.trace)
 
@@ -165,5 +165,5 @@ def from_real_times(cfg: Config, traces: list[list[Record]], schedule: str, m: i
 def delivery_s(traces: list[list[Record]], schedule: str, m: int, minibatches: int) -> float:
     """Mean seconds from a send being queued to its receive returning (receiver already waiting) in a
     real run of ``schedule``; nan when no message qualifies."""
-    times = deliveries(traces, build_schedule(schedule, [1] * len(traces), minibatches, m))
+    times = deliveries(traces, build_schedule(schedule_of(schedule, m), [1] * len(traces), minibatches))
     return statistics.mean(times) if times else math.nan

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from pipetrain.registry import make
+from pipetrain.registry import schedule_of
 
 LR = 1e-3
 
@@ -93,5 +93,5 @@ def train_options(cfg: Config, schedule: str, m: int, **changes: Any) -> dict[st
     """The ``pipetrain.train`` options of every run of ``schedule`` with ``m`` microbatches (all but the
     model, data, stages and tracing), with ``changes``."""
     return {"loss_fn": F.cross_entropy, "optimizer": functools.partial(torch.optim.SGD, lr=LR),
-            "schedule": make("schedule", schedule, {"microbatches": m} if m > 1 else {}),
+            "schedule": schedule_of(schedule, m),
             "batch_size": cfg.batch, "epochs": 1, "shuffle": False, "threads": 1, **changes}

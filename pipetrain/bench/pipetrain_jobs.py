@@ -76,7 +76,7 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
     data = cfg.spec.dataset(steps * cfg.batch_size, seed=cfg.seed + 1)
     iface = cfg.interface()
     sampler = TxSampler(iface) if iface else None
-    layout = {k: options[k] for k in ("stages", "bandwidth") if k in options}
+    layout: dict[str, Any] = {k: options[k] for k in ("stages", "bandwidth") if k in options}
     if options.get("strategy", "pipeline") != "pipeline" or options.get("stages") == "auto":
         layout["workers"] = int(os.environ["WORLD_SIZE"])  # explicit stages place the workers
     try:

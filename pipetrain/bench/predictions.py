@@ -16,7 +16,9 @@ from pipetrain.bench.systems import AUTO_SYSTEM, PIPE_SGD, SuiteConfig
 from pipetrain.planning.choose import CANDIDATES, Choice, choose_strategy
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.runsetup import Launcher, measure_setup, model_step, torch_threads
-from pipetrain.simulate import Link, predict_data_parallel
+from pipetrain.predict import predict_data_parallel
+from pipetrain.simulate import Link
+from pipetrain.strategies.kinds import DDP, PipeSGD
 
 
 def profile_here(cfg: SuiteConfig, peer: PeerConfig, batch: int,
@@ -54,7 +56,7 @@ def choose_auto(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: 
 
 def predict_systems(cfg: SuiteConfig, peer: PeerConfig, runs: dict[str, dict[int, dict[str, Any]]], update_s: float,
                     link_bps: float, launch: Launcher) -> dict[str, dict[str, Any]]:
-    """Each data-parallel system's samples/s predicted by :func:`pipetrain.simulate.predict_data_parallel`
+    """Each data-parallel system's samples/s predicted by :func:`pipetrain.predict.predict_data_parallel`
     beside what it measured, from inputs measured apart from the runs: one worker's forward + backward
     profiled here on its shard (batch / workers, the workers' thread count), the SGD step alone, the
     link at the measured TCP payload rate, the codec's arithmetic timed here, and the CPU one ring
@@ -66,14 +68,14 @@ def predict_systems(cfg: SuiteConfig, peer: PeerConfig, runs: dict[str, dict[int
     rings = {s: launch(ring_cost, (peer, codec), cfg.workers) for s, codec in PIPE_SGD.items() if s in runs}
     comm_cpu = {s: statistics.mean(r["cpu_s"] for r in ranks) for s, ranks in rings.items()}
     latency = statistics.median(r["latency_s"] for ranks in rings.values() for r in ranks) if rings else 0.0
-    systems = {"ddp": ("ddp", None, None), **{s: ("pipe-sgd", codec, 2) for s, codec in PIPE_SGD.items()}}
+    systems = {"ddp": DDP(), **{s: PipeSGD(staleness=2, compression=codec) for s, codec in PIPE_SGD.items()}}
     out = {}
     with torch_threads(cfg.threads):  # the codec's arithmetic is timed as a worker runs it
-        preds = {system: predict_data_parallel(profile, strategy, cfg.workers, Link(link_bps / 8, latency),
-                                               batch_size=cfg.batch_size, staleness=k, compression=codec,
+        preds = {system: predict_data_parallel(profile, cfg.workers, Link(link_bps / 8, latency),
+                                               batch_size=cfg.batch_size, **strategy.prediction_flags(),
                                                update_s=update_s, comm_cpu_s=comm_cpu.get(system, 0.0),
                                                cores_per_worker=cores)
-                 for system, (strategy, codec, k) in systems.items() if system in runs}
+                 for system, strategy in systems.items() if system in runs}
     for system, pred in preds.items():
         measured = runs[system][1]["samples_per_s"]
         out[system] = {"predicted_samples_per_s": pred.samples_per_s, "measured_samples_per_s": measured,

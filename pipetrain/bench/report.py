@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pipetrain.bench.systems import AUTO_SYSTEM, EXTRA_SYSTEMS, MICROBATCHED, PIPE_SGD, SYSTEMS, SuiteConfig
-from pipetrain.planning.choose import CANDIDATES, COMPRESSED, Choice
+from pipetrain.planning.choose import CANDIDATES, Choice
 
 TARGETS = {
     "pipedream_vs_bound": 0.95,        # of the slowest stage's bound
@@ -97,10 +97,10 @@ def judge_auto(choice: Choice, rate: dict[str, float]) -> dict[str, Any]:
     # every candidate whose system ran: the pipeline too when it was priced as data parallelism
     measured = {n: rate[AUTO_SYSTEM.get(n, n)] for n in CANDIDATES if AUTO_SYSTEM.get(n, n) in rate}
     out: dict[str, Any] = {**choice.to_dict(), "measured": measured}
-    for key, names in (("any", list(choice.predictions)), ("exact", [n for n in choice.predictions
-                                                                      if n not in COMPRESSED])):
+    exact = [n for n, c in CANDIDATES.items() if not c.changes_arithmetic]
+    for key, names in (("any", list(choice.predictions)), ("exact", [n for n in choice.predictions if n in exact])):
         pick = max(names, key=lambda n: choice.predictions[n])
-        pool = [n for n in measured if key == "any" or n not in COMPRESSED]
+        pool = [n for n in measured if key == "any" or n in exact]
         best = max(pool, key=lambda n: measured[n])
         ratio = measured.get(pick, 0.0) / measured[best]
         out[key] = {"pick": pick, "best": best, "pick_vs_best": ratio, "met": ratio >= 1 - AUTO_WITHIN}

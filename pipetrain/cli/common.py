@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from pipetrain.errors import one_line
+from pipetrain.errors import PipetrainWarning, one_line
 
 
 class Parser(argparse.ArgumentParser):
@@ -85,11 +85,14 @@ def parse_stages(text: str) -> list[int | str]:
     return stages
 
 
+def chunk_option(text: str) -> int | str:
+    """``--chunk``: ``auto`` or an integer (checked by :class:`pipetrain.CGDP`)."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text.strip()
+
+
 def one_line_warnings(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                       file: Any = None, line: str | None = None) -> None:
     """pipetrain's warnings as one line each on stderr (others as Python prints them)."""
-    from pipetrain.errors import PipetrainWarning
-
     if issubclass(category, PipetrainWarning):
         print(f"pipetrain: warning: {message}", file=sys.stderr)
     else:

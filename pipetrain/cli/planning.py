@@ -10,16 +10,18 @@ from typing import Any
 
 import torch
 
-from pipetrain.cli.common import add_optimizer_options, call_factory, load_loss, optimizer_of, parse_stages
+from pipetrain.cli.common import (
+    add_optimizer_options, call_factory, chunk_option, load_loss, optimizer_of, parse_stages,
+)
 from pipetrain.layers import split_points
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model, time_batching
-from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, Auto, as_strategy, make
+from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, Auto, Strategy, as_strategy, make, schedule_of
 from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.batches import collate_parts
-from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
+from pipetrain.simulate import Link, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
 
@@ -88,8 +90,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--staleness", type=int, default=None, help="pipe-sgd: K (default 2)")
     p.add_argument("--compression", default=None, help="pipe-sgd: none | trunc16 | quant8")
     p.add_argument("--update-s", type=float, default=0.0,
-                   help="seconds per optimizer step (the profile does not time it; default 0)")
-    p.add_argument("--chunk", type=int, default=1, help="cgdp: layers per chunk (default 1)")
+                   help="seconds per optimizer step (default 0)")
+    p.add_argument("--chunk", type=chunk_option, default=None,
+                   help="cgdp: layers per chunk, or auto (default: the size its cost model predicts fastest)")
     p.add_argument("--sync-latency", type=float, default=1e-4,
                    help="cgdp: seconds of one signal among a machine's workers (default 1e-4, a 1-float gloo "
                         "allreduce on loopback); host copy and sum rates are measured here")
@@ -225,14 +228,13 @@ def _short(name: str, width: int = 28) -> str:
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     _at_least(args, workers=1, minibatches=1, microbatches=1, batch_size=1, latency=0, update_s=0, sync_latency=0)
-    strategy = as_strategy(args.strategy)
-    if isinstance(strategy, Auto):
+    if isinstance(as_strategy(args.strategy), Auto):
         raise ValueError("simulate prices one strategy; to predict them all and pick one, run `pipetrain plan "
                          "PROFILE --workers N --strategies all`")
+    given = {"staleness": args.staleness, "compression": args.compression, "chunk": args.chunk}
+    strategy = make("strategy", args.strategy, {k: v for k, v in given.items() if v is not None})
     if strategy.data_parallel:
-        return _simulate_data_parallel(args)
-    if args.staleness is not None or args.compression is not None:
-        raise ValueError("--staleness and --compression apply to --strategy pipe-sgd, not to a pipeline")
+        return _simulate_data_parallel(args, strategy)
     if args.straight and not args.workers:
         raise ValueError("--straight applies to --workers (planning); --plan and --stages fix the stages")
     profile = Profile.load(args.profile)
@@ -249,8 +251,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         boundaries, replicas = chosen.boundaries, chosen.replicas
     lcm = math.lcm(*replicas)
     minibatches = args.minibatches or -(-32 // lcm) * lcm
-    kind = make("schedule", args.schedule, {"microbatches": args.microbatches} if args.microbatches != 1 else {})
-    schedule = kind.build(replicas, minibatches)
+    schedule = schedule_of(args.schedule, args.microbatches).build(replicas, minibatches)
     result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size,
                       update_s=args.update_s)
     names = [f"worker {w} (stage {schedule.stage_of(w)})" for w in range(schedule.num_workers)]
@@ -272,61 +273,31 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         print(f"wrote {path}")
 
 
-def _simulate_data_parallel(args: argparse.Namespace) -> None:
-    """``--strategy ddp|pipe-sgd|cgdp``: the papers' timing models beside a simulated run."""
+def _simulate_data_parallel(args: argparse.Namespace, strategy: Strategy) -> None:
+    """``--strategy ddp|pipe-sgd|cgdp``: the paper's timing model beside a simulated run."""
     if not args.workers or args.plan or args.stages or args.straight or args.microbatches != 1:
         raise ValueError(f"--strategy {args.strategy} takes --workers N (each worker holds the whole model), "
                          "not --plan, --stages, --straight or --microbatches")
     profile = Profile.load(args.profile)
     _know_batch_size(args, profile)
-    if args.strategy == "cgdp":
-        return _simulate_cgdp(args, profile)
     link = Link(parse_bandwidth(args.bandwidth), args.latency)
-    result = predict_data_parallel(profile, args.strategy, args.workers, link, batch_size=args.batch_size,
-                                   staleness=args.staleness, compression=args.compression, update_s=args.update_s,
-                                   minibatches=args.minibatches or 32)
+    # the workers share this machine's cores; a signal among them takes --sync-latency (CGDP)
+    host = {"signal_s": args.sync_latency, "cores_per_worker": (os.cpu_count() or 1) / args.workers}
+    priced = strategy.predict(profile, args.workers, link, args.batch_size, minibatches=args.minibatches,
+                              update_s=args.update_s, host=host)
+    result = priced.detail
     names = [f"worker {w}" for w in range(args.workers)]
-    title = f"{args.strategy}, {args.workers} workers: simulated"
     if args.png:
-        draw_timeline(result.sim.trace, args.png, names=names, title=title)
+        draw_timeline(result.sim.trace, args.png, names=names, title=f"{args.strategy}, {args.workers} workers: "
+                                                                      "simulated")
     if args.trace_json:
         write_chrome_trace(result.sim.trace, args.trace_json, names=names)
-    settings = {"strategy": args.strategy, "workers": args.workers, "bandwidth_Bps": link.bandwidth_Bps,
-                "latency_s": link.latency_s, "staleness": args.staleness, "compression": args.compression,
-                "batch_size": args.batch_size or profile.batch_size}
     if args.json:
-        print(json.dumps({**settings, **result.to_dict()}))
-        return
-    print(f"{args.strategy}, {args.workers} workers at {format_bandwidth(link.bandwidth_Bps)}"
-          f"{f', {args.compression}' if args.compression else ''}: {result.samples_per_s:.1f} samples/s simulated, "
-          f"{result.formula_samples_per_s:.1f} by the closed form")
-    print(f"per iteration: compute {result.compute_s * 1e3:.1f} ms + update {result.update_s * 1e3:.1f} ms, "
-          f"allreduce {result.comm_s * 1e3:.1f} ms of {result.payload_bytes:,} bytes: {result.bound} bound, "
-          f"scaling efficiency {result.scaling_efficiency:.2f} (Pipe-SGD eq. 7)")
-    for path in filter(None, (args.png, args.trace_json)):
-        print(f"wrote {path}")
-
-
-def _simulate_cgdp(args: argparse.Namespace, profile: Profile) -> None:
-    """CGDP's cost model (§3.2, eq. 1-2) at ``--chunk``, with host costs measured on this machine and
-    this machine's cores shared by the workers."""
-    from pipetrain.strategies.cgdp import measure_host_costs
-
-    if args.staleness is not None or args.compression is not None:
-        raise ValueError("--staleness and --compression apply to --strategy pipe-sgd, not cgdp")
-    if args.chunk < 1:
-        raise ValueError(f"--chunk {args.chunk}: give the layers per chunk, at least 1")
-    host = measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), args.workers)
-    result = predict_cgdp(profile, args.workers, args.chunk, batch_size=args.batch_size, update_s=args.update_s,
-                          signal_s=args.sync_latency, cores_per_worker=(os.cpu_count() or 1) / args.workers,
-                          minibatches=args.minibatches or 16, **host)
-    if args.json:
-        print(json.dumps({"strategy": "cgdp", "workers": args.workers, "chunk": args.chunk,
-                          "batch_size": args.batch_size or profile.batch_size, **host,
+        print(json.dumps({**priced.options(), "workers": args.workers, "bandwidth_Bps": link.bandwidth_Bps,
+                          "latency_s": link.latency_s, "batch_size": args.batch_size or profile.batch_size,
                           "sync_latency_s": args.sync_latency, **result.to_dict()}))
         return
-    print(f"cgdp, {args.workers} workers, chunk {args.chunk} ({len(result.chunks)} chunks): {result.samples_per_s:.1f} "
-          f"samples/s, {result.iteration_s * 1e3:.1f} ms per iteration")
-    print(f"backward {result.plain_backward_s * 1e3:.1f} ms alone, {result.backward_s * 1e3:.1f} ms with the host sums "
-          f"(eq. 1): overhead {result.overhead_s * 1e3:.2f} ms (eq. 2: {result.overhead_eq2_s * 1e3:.2f} ms); data "
-          f"parallelism's {result.dp_overhead_s * 1e3:.2f} ms; CGDP {'wins' if result.wins else 'does not win'} (§3.2)")
+    how = "".join(f", {k} {v}" for k, v in priced.options().items() if k != "strategy")
+    print(f"{args.strategy}, {args.workers} workers at {format_bandwidth(link.bandwidth_Bps)}{how}: {result.summary()}")
+    for path in filter(None, (args.png, args.trace_json)):
+        print(f"wrote {path}")

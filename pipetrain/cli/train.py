@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pipetrain.cli.common import (
-    add_optimizer_options, call_factory, load_loss, load_object, optimizer_of, parse_stages,
+    add_optimizer_options, call_factory, chunk_option, load_loss, load_object, optimizer_of, parse_stages,
 )
 from pipetrain import data, zoo
 from pipetrain.api import train
@@ -50,11 +50,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def _chunk(text: str) -> int | str:
-    """``--chunk``: ``auto`` or an integer (checked by the job)."""
-    return int(text) if text.strip().lstrip("-").isdigit() else text.strip()
-
-
 def _check_output(path: str | None, option: str, directory: bool = False) -> None:
     """Before training: ``path`` (a file, or a ``directory`` made if missing) can be written."""
     if path is None:
@@ -89,7 +84,7 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", default=None,
                    help=f"pipe-sgd: {' | '.join(CODECS)}, applied inside the ring allreduce (float32 models)")
     p.add_argument("--warmup-epochs", type=int, default=0, help="pipe-sgd: run the first epochs with K = 1")
-    p.add_argument("--chunk", default=None, type=_chunk,
+    p.add_argument("--chunk", default=None, type=chunk_option,
                    help="cgdp: layers per chunk, or auto (default: the run-time search)")
     p.add_argument("--epochs", type=int, default=1)
     add_optimizer_options(p)

@@ -14,27 +14,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipetrain.costs import ring_allreduce_time
-from pipetrain.planning.partition import plan
 from pipetrain.planning.result import Plan
 from pipetrain.planning.units import format_bandwidth, parse_bandwidth
 from pipetrain.profiling import Profile
-from pipetrain.registry import PipeDream, PipelineSchedule
-from pipetrain.runsetup import torch_threads
-from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
+from pipetrain.simulate import Link
+from pipetrain.strategies.kinds import CGDP, DDP, Pipeline, PipeSGD, Strategy
 
-CANDIDATES: dict[str, dict[str, Any]] = {
-    "pipeline": {"strategy": "pipeline", "schedule": "pipedream"},
-    "ddp": {"strategy": "ddp"},
-    "pipe-sgd": {"strategy": "pipe-sgd", "staleness": 2},
-    "pipe-sgd-trunc16": {"strategy": "pipe-sgd", "staleness": 2, "compression": "trunc16"},
-    "pipe-sgd-quant8": {"strategy": "pipe-sgd", "staleness": 2, "compression": "quant8"},
-    "cgdp": {"strategy": "cgdp"},
+CANDIDATES: dict[str, Strategy] = {
+    "pipeline": Pipeline(), "ddp": DDP(), "pipe-sgd": PipeSGD(staleness=2),
+    "pipe-sgd-trunc16": PipeSGD(staleness=2, compression="trunc16"),
+    "pipe-sgd-quant8": PipeSGD(staleness=2, compression="quant8"), "cgdp": CGDP(),
 }
-"""Every name ``choose_strategy`` predicts, and the ``pipetrain.train`` arguments that run it."""
-
-COMPRESSED = ("pipe-sgd-trunc16", "pipe-sgd-quant8")
-"""Candidates whose codec changes the arithmetic: picked only with ``allow_compression``."""
+"""Every candidate ``choose_strategy`` predicts, by the name its table shows."""
 
 
 @dataclass
@@ -44,8 +35,8 @@ class Choice:
     Attributes:
         choice: the fastest allowed candidate (a key of :data:`CANDIDATES`).
         predictions: samples/s per candidate that could run.
-        options: per candidate, the ``pipetrain.train`` arguments that run it (the pipeline's plan
-            under ``stages``, CGDP's chunk under ``chunk``).
+        options: per candidate, its strategy and options by name (:meth:`pipetrain.registry.from_options`
+            reads them back), the pipeline's plan under ``stages``, CGDP's chunk under ``chunk``.
         skipped: per candidate that is not predicted or not allowed, why.
         reason: one line saying why ``choice`` won.
     """
@@ -75,25 +66,22 @@ class Choice:
         rows = [f"{'strategy':<18} {'samples/s':>10}  how"]
         for name, rate in sorted(self.predictions.items(), key=lambda kv: -kv[1]):
             mark = " <- " if name == self.choice else "    "
-            rows.append(f"{name:<18} {rate:>10.1f}{mark}{_how(name, self.options[name])}"
+            rows.append(f"{name:<18} {rate:>10.1f}{mark}{_how(self.options[name])}"
                         + (f" ({self.skipped[name]})" if name in self.skipped else ""))
         rows += [f"{name:<18} {'-':>10}    {why}" for name, why in self.skipped.items() if name not in self.predictions]
         return "\n".join(rows)
 
 
-def _how(name: str, options: dict[str, Any]) -> str:
-    if name == "pipeline":
-        stages = options["stages"]
-        return f"plan {stages.config}, NOAM {stages.noam}"
-    if name == "cgdp":
-        return f"chunk {options['chunk']}"
+def _how(options: dict[str, Any]) -> str:
+    if "stages" in options:
+        return f"plan {options['stages'].config}, NOAM {options['stages'].noam}"
     return ", ".join(f"{k} {v}" for k, v in options.items() if k != "strategy") or "synchronous"
 
 
 def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | None = None, *,
                     batch_size: int | None = None, one_machine: bool | None = None, allow_compression: bool = False,
                     strategies: Sequence[str] | None = None, host_costs: dict[str, float] | None = None,
-                    minibatches: int = 32) -> Choice:
+                    minibatches: int | None = None) -> Choice:
     """Predict samples/s of every strategy in ``strategies`` (default all of :data:`CANDIDATES`) and pick
     the fastest.
 
@@ -105,12 +93,11 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
         batch_size: samples per minibatch of the whole job (default: the profile's).
         one_machine: whether all workers share one machine (CGDP competes only then); default: when no
             ``bandwidth`` is given.
-        allow_compression: let a codec that changes the arithmetic (:data:`COMPRESSED`) be picked; it is
-            still predicted.
+        allow_compression: let a codec that changes the arithmetic be picked; it is still predicted.
         strategies: the candidates to predict.
         host_costs: CGDP's ``copy_s_per_byte`` and ``sum_s_per_byte`` (default: measured here,
             :func:`pipetrain.strategies.cgdp.measure_host_costs`).
-        minibatches: simulated per candidate.
+        minibatches: simulated per candidate (default: each prediction's own).
 
     Raises:
         ValueError: an unknown candidate, workers < 1, or no candidate that can run.
@@ -131,26 +118,17 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
     options: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for name in names:
-        opts = dict(CANDIDATES[name])
-        why = _cannot(name, workers, batch, one_machine)
+        candidate = CANDIDATES[name]
+        why = candidate.cannot_run(workers, batch, one_machine)
         if why:
             skipped[name] = why
             continue
-        if name == "pipeline":
-            chosen = plan(profile, workers, bps if bps < math.inf else 1e15)
-            if len(chosen.stages) == 1:
-                skipped[name] = "the best plan is one stage on every worker: data parallelism, priced as ddp"
-                continue
-            rate = predict_plan(profile, chosen, link, batch, minibatches=minibatches)
-            opts["stages"] = chosen
-        elif name == "cgdp":
-            rate, opts["chunk"] = _best_chunk(profile, workers, batch, host_costs)
-        else:
-            rate = predict_data_parallel(profile, opts["strategy"], workers, link, batch,
-                                         staleness=opts.get("staleness"), compression=opts.get("compression"),
-                                         minibatches=minibatches).samples_per_s
-        predictions[name], options[name] = rate, opts
-        if name in COMPRESSED and not allow_compression:
+        priced = candidate.predict(profile, workers, link, batch, minibatches=minibatches, host=host_costs)
+        if priced.skip:
+            skipped[name] = priced.skip
+            continue
+        predictions[name], options[name] = priced.samples_per_s, priced.options()
+        if candidate.changes_arithmetic and not allow_compression:
             skipped[name] = "changes the arithmetic: allow_compression=True (--allow-compression) to pick it"
     allowed = {n: r for n, r in predictions.items() if n not in skipped}
     if not allowed:
@@ -166,52 +144,3 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
     if faster:
         reason += f" ({faster[0]} would be {predictions[faster[0]] / allowed[best]:.2f}x, with compression allowed)"
     return Choice(best, predictions, options, skipped, reason)
-
-
-def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
-                 schedule: PipelineSchedule = PipeDream(), minibatches: int = 32, epoch: bool = False) -> float:
-    """Samples/s of ``chosen`` run by ``schedule`` over ``link``,
-    simulated for about ``minibatches`` (rounded up so every replica joins every sync): the steady rate,
-    or with ``epoch`` the rate of an epoch of them as it runs, the pipeline filled at its start and
-    drained at its end (samples over the simulated makespan; the runtime runs each epoch so)."""
-    every = math.lcm(*chosen.replicas)
-    count = -(-minibatches // every) * every
-    sim = simulate(schedule.build(chosen.replicas, count), profile, chosen.boundaries,
-                   link, batch_size)
-    if epoch:
-        return count * batch_size / sim.makespan_s if sim.makespan_s > 0 else 0.0
-    return sim.samples_per_s or 0.0
-
-
-def _cannot(name: str, workers: int, batch: int, one_machine: bool) -> str:
-    """Why candidate ``name`` cannot run (empty if it can)."""
-    if name == "pipeline":
-        return "" if workers > 1 else "one worker has nothing to pipeline"
-    if batch % workers:
-        return f"batch {batch} does not split into {workers} equal shards"
-    if name == "cgdp" and not one_machine:
-        return "CGDP sums in one machine's memory; the workers span machines"
-    return ""
-
-
-def _best_chunk(profile: Profile, workers: int, batch: int, host: dict[str, float] | None) -> tuple[float, int]:
-    """CGDP's (samples/s, layers per chunk) at the chunk size its cost model predicts fastest (of
-    several alike, the one with the fewest chunks)."""
-    from pipetrain.strategies.cgdp import measure_host_costs
-
-    units = sum(1 for x in profile.layers if x.parameter_bytes)
-    if host is None:  # timed as the workers add, with their thread count
-        with torch_threads(None if profile.setup is None else profile.setup.threads):
-            host = measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), workers)
-    # a signal is a 1-element allreduce among the machine's workers: 2 (L - 1) messages
-    signal = 0.0 if profile.setup is None else float(ring_allreduce_time(
-        workers, 4.0, *profile.setup.allreduce_terms(ours=False), 0.0))
-    found = {k: predict_cgdp(profile, workers, k, batch, signal_s=signal, copy_s_per_byte=host["copy_s_per_byte"],
-                             sum_s_per_byte=host["sum_s_per_byte"]) for k in range(1, max(units, 1) + 1)}
-    rates = {k: p.samples_per_s for k, p in found.items()}
-    # Of the sizes the model prices alike, the fewest chunks: traced on resnet-like (2 workers, 2 cores)
-    # every chunk took 0.8-1.9 ms of the backward (33 ms with 2 chunks, 40 with 6, 46 with 11), of which
-    # the model prices only its signals' CPU (2 x 0.22 ms), and nothing with a core per worker.
-    best = max(rates.values())
-    chunk = min((k for k in rates if rates[k] >= best * (1 - 1e-9)), key=lambda k: (len(found[k].chunks), k))
-    return rates[chunk], chunk

@@ -171,6 +171,19 @@ def stale_sync(lists: Lists, staleness: int) -> Lists:
     return out
 
 
+def data_parallel(workers: int, minibatches: int, staleness: int = 1, name: str = "data-parallel") -> Schedule:
+    """Data parallelism's schedule: every worker runs every minibatch's shard, then Pipe-SGD's sync pass
+    with ``staleness`` K (:func:`stale_sync`; K = 1 is synchronous SGD). ``name`` labels it.
+
+    Raises:
+        ValueError: workers < 1, minibatches < 0, or staleness < 1.
+    """
+    if workers < 1 or minibatches < 0:
+        raise ValueError(f"need workers >= 1 and minibatches >= 0, got {workers}, {minibatches}")
+    lists = stale_sync(p2p_pass([workers], data_parallel_order(workers, minibatches)), staleness)
+    return Schedule(name, (workers,), tuple(map(tuple, lists)), sharded=True)
+
+
 def evaluation(replicas: Sequence[int], minibatches: int, sharded: bool = False) -> Schedule:
     """Forward only (evaluation at an epoch's end): each minibatch through every stage, replica
     ``mb mod r`` of each; ``sharded`` (data parallelism): every worker runs every minibatch on its shard."""

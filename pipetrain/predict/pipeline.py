@@ -1,0 +1,23 @@
+"""A pipeline plan's throughput under a schedule, from the simulator."""
+from __future__ import annotations
+
+import math
+
+from pipetrain.planning.result import Plan
+from pipetrain.profiling import Profile
+from pipetrain.schedule.kinds import PipeDream, PipelineSchedule
+from pipetrain.simulate import Link, simulate
+
+
+def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
+                 schedule: PipelineSchedule = PipeDream(), minibatches: int = 32, epoch: bool = False) -> float:
+    """Samples/s of ``chosen`` run by ``schedule`` over ``link``, simulated for about ``minibatches``
+    (rounded up so every replica joins every sync): the steady rate, or with ``epoch`` the rate of an
+    epoch of them as it runs, the pipeline filled at its start and drained at its end (samples over the
+    simulated makespan; the runtime runs each epoch so)."""
+    every = math.lcm(*chosen.replicas)
+    count = -(-minibatches // every) * every
+    sim = simulate(schedule.build(chosen.replicas, count), profile, chosen.boundaries, link, batch_size)
+    if epoch:
+        return count * batch_size / sim.makespan_s if sim.makespan_s > 0 else 0.0
+    return sim.samples_per_s or 0.0

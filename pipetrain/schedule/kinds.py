@@ -1,0 +1,172 @@
+"""The pipeline schedules by name, each a small class that owns its options and builds its action lists.
+
+A schedule's class carries the facts the runtime, validator and simulator read (whether it flushes,
+its weight policy, whether stages may be replicated); its options (``GPipe(microbatches=4)``,
+``PipeDream(vertical_sync=True)``) are checked when it is made.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pipetrain.layout import Layout
+from pipetrain.schedule import generators as gen
+from pipetrain.schedule.actions import Schedule
+
+
+def check_count(value: Any, what: str, least: int = 1) -> None:
+    """A one-line ValueError unless ``value`` is an integer of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what}={value!r} must be an integer >= {least}")
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A pipeline schedule: the order of each worker's forwards and backwards, and when it updates.
+
+    Class attributes (facts, not options):
+        name: what ``schedule=`` says.
+        flush: one update per minibatch after its last microbatch, no minibatch in flight across an
+            update (live weights); else an update after every backward (1F1B with weight versions).
+        replicable: stages may be replicated (round robin over replicas).
+        weights: the run-time weight policy (:data:`pipetrain.runtime.weights.POLICIES`).
+        summary: one line for help texts.
+    """
+
+    name: ClassVar[str]
+    flush: ClassVar[bool]
+    replicable: ClassVar[bool] = False
+    weights: ClassVar[str] = "live"
+    summary: ClassVar[str]
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per minibatch (1: minibatches are not split)."""
+        return 1
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        """Each worker's compute order (forwards and backwards only)."""
+        raise NotImplementedError
+
+    def build(self, replicas: Sequence[int], minibatches: int) -> Schedule:
+        """The action lists: compute order, then the point-to-point pass, then the sync pass.
+
+        Raises:
+            ValueError: bad counts, or stages this schedule cannot run.
+        """
+        layout = Layout(tuple(replicas))
+        self.check_layout(layout)
+        if minibatches < 0:
+            raise ValueError(f"need minibatches >= 0, got {minibatches}")
+        if minibatches % layout.rounds:
+            raise ValueError(f"{minibatches} minibatches do not split evenly over replicas {list(replicas)}; "
+                             f"use a multiple of {layout.rounds} so every replica joins every gradient sync")
+        lists = gen.p2p_pass(replicas, self.order(replicas, minibatches))
+        lists = gen.flush_sync(lists, self.microbatches) if self.flush else gen.step_sync(lists, replicas)
+        return Schedule(self.name, tuple(replicas), tuple(map(tuple, lists)), self.microbatches,
+                        gen.noam(replicas), stashes=self.weights == "stash")
+
+    def check_layout(self, layout: Layout) -> None:
+        """One-line ValueError when this schedule cannot run ``layout``."""
+        if not self.replicable and any(r != 1 for r in layout.replicas):
+            raise ValueError(f"schedule {self.name!r} runs straight pipelines only (one worker per stage); "
+                             f"use 'pipedream' for replicated stages {list(layout.replicas)}")
+
+    def policy(self, layout: Layout, stage: int) -> str:
+        """The weight policy of ``stage``'s workers (:data:`pipetrain.runtime.weights.POLICIES`)."""
+        if self.weights == "stash" and gen.warmup(layout.replicas, stage) == 1:
+            return "live"  # one minibatch in flight: no update between its forward and backward
+        return self.weights
+
+
+@dataclass(frozen=True)
+class _Microbatched(PipelineSchedule):
+    """A flush schedule that may split each minibatch into ``microbatches`` equal slices."""
+
+    microbatches: int = 1  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        check_count(self.microbatches, "microbatches")
+
+
+@dataclass(frozen=True)
+class PipeDream(PipelineSchedule):
+    """1F1B with NOAM minibatches in flight and weight stashing (PipeDream §3.3-3.4).
+
+    Args:
+        vertical_sync: every stage runs minibatch t at the weight version the input stage used for it
+            (§3.4); needs one worker per stage.
+    """
+
+    name: ClassVar[str] = "pipedream"
+    flush: ClassVar[bool] = False
+    replicable: ClassVar[bool] = True
+    weights: ClassVar[str] = "stash"
+    summary: ClassVar[str] = "1F1B with NOAM in flight and weight stashing (PipeDream)"
+    vertical_sync: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.vertical_sync, bool):
+            raise ValueError(f"vertical_sync={self.vertical_sync!r} must be True or False")
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return gen.pipedream_order(replicas, minibatches)
+
+    def check_layout(self, layout: Layout) -> None:
+        if self.vertical_sync and layout.world != layout.num_stages:
+            raise ValueError(f"vertical_sync needs one worker per stage; this plan replicates stages "
+                             f"{list(layout.replicas)}")
+
+    def policy(self, layout: Layout, stage: int) -> str:
+        return "vertical" if self.vertical_sync else super().policy(layout, stage)
+
+
+@dataclass(frozen=True)
+class Naive(PipelineSchedule):
+    """PipeDream's order without weight stashing: the paper's ablation (§3.4)."""
+
+    name: ClassVar[str] = "naive"
+    flush: ClassVar[bool] = False
+    replicable: ClassVar[bool] = True
+    weights: ClassVar[str] = "naive"
+    summary: ClassVar[str] = "pipedream's order without stashing (the paper's ablation)"
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return gen.pipedream_order(replicas, minibatches)
+
+
+@dataclass(frozen=True)
+class GPipe(_Microbatched):
+    """Every microbatch's forward, then every backward, then one update (GPipe, arXiv:1811.06965)."""
+
+    name: ClassVar[str] = "gpipe"
+    flush: ClassVar[bool] = True
+    summary: ClassVar[str] = "all microbatch forwards, then backwards, then one update"
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return gen.gpipe_order(replicas, minibatches, self.microbatches)
+
+
+@dataclass(frozen=True)
+class OneFOneBFlush(_Microbatched):
+    """1F1B over a minibatch's microbatches, then one update (PipeDream-Flush)."""
+
+    name: ClassVar[str] = "1f1b-flush"
+    flush: ClassVar[bool] = True
+    summary: ClassVar[str] = "1F1B over a minibatch's microbatches, then one update"
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return gen.one_f_one_b_flush_order(replicas, minibatches, self.microbatches)
+
+
+@dataclass(frozen=True)
+class ModelParallel(PipelineSchedule):
+    """One minibatch in the whole pipeline at a time."""
+
+    name: ClassVar[str] = "model-parallel"
+    flush: ClassVar[bool] = True
+    summary: ClassVar[str] = "one minibatch in the pipeline at a time"
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return gen.model_parallel_order(replicas, minibatches)
