@@ -27,7 +27,8 @@ from pipetrain.runtime.dist import init_distributed
 from pipetrain.runtime.job import JobConfig, describe, metrics_log, run_rank
 from pipetrain.runtime.launch import spawn, under_torchrun
 from pipetrain.runtime.worker import collate_parts, per_epoch
-from pipetrain.runsetup import measure_setup, model_step, torch_threads
+from pipetrain.setup import measure_setup, model_step
+from pipetrain.timing import torch_threads
 from pipetrain.simulate import Link
 
 

@@ -61,7 +61,8 @@ from pipetrain import costs
 from pipetrain.costs import dp_sync_bytes
 from pipetrain.layers import check_boundaries
 from pipetrain.profiling import Profile
-from pipetrain.runsetup import Setup, torch_threads
+from pipetrain.setup import Setup
+from pipetrain.timing import torch_threads
 from pipetrain.registry import STRATEGIES, build_data_parallel, lookup
 from pipetrain.schedule import Schedule, validate
 from pipetrain.strategies.allreduce import buckets, last_bucket_bytes

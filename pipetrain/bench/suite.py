@@ -56,7 +56,8 @@ from pipetrain.bench.peers import PeerConfig, _as_tuple, _Splat, ddp, pipetrain_
 from pipetrain.errors import first_line
 from pipetrain.planning.choose import CANDIDATES, COMPRESSED, Choice, choose_strategy
 from pipetrain.profiling import time_batching
-from pipetrain.runsetup import Launcher, measure_setup, median_seconds, model_step, torch_threads
+from pipetrain.setup import Launcher, measure_setup, model_step
+from pipetrain.timing import median_seconds, torch_threads
 
 PIPE_SGD = {"pipe-sgd": None, "pipe-sgd-trunc16": "trunc16", "pipe-sgd-quant8": "quant8"}
 """pipetrain's Pipe-SGD (K = 2) with each codec inside its ring allreduce."""
@@ -271,7 +272,7 @@ def _choose(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: floa
     """What ``strategy="auto"`` picks for this run, from the inputs it has when it starts: the model
     profiled here on the first minibatch (the workers' thread count and SGD), building that minibatch
     from the dataset timed (:func:`pipetrain.profiling.time_batching`), the run set-up measured on
-    the same hosts (:func:`pipetrain.runsetup.measure_setup`, one training step of a worker's shard as
+    the same hosts (:func:`pipetrain.setup.measure_setup`, one training step of a worker's shard as
     the shared work) and the link at its measured rate (one machine on loopback). Every candidate a run
     system measures is predicted, codecs included (``allow_compression``)."""
     profile = _profile(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))

@@ -17,9 +17,11 @@ from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, build_schedule, lookup
-from pipetrain.runsetup import measure_setup, model_step, torch_threads
 from pipetrain.runtime.worker import collate_parts
+from pipetrain.setup import measure_setup, model_step
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
+from pipetrain.strategies.cgdp import measure_host_costs
+from pipetrain.timing import torch_threads
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
 
@@ -305,8 +307,6 @@ def _simulate_data_parallel(args: argparse.Namespace) -> None:
 def _simulate_cgdp(args: argparse.Namespace, profile: Profile) -> None:
     """CGDP's cost model (§3.2, eq. 1-2) at ``--chunk``, with host costs measured on this machine and
     this machine's cores shared by the workers."""
-    from pipetrain.strategies.cgdp import measure_host_costs
-
     if args.staleness is not None or args.compression is not None:
         raise ValueError("--staleness and --compression apply to --strategy pipe-sgd, not cgdp")
     if args.chunk < 1:

@@ -4,7 +4,7 @@ Each candidate is priced by the model of its own paper, all run through the one 
 PipeDream plan (§3.2) run by the ``pipedream`` schedule, DDP as synchronous SGD (Pipe-SGD eq. 2),
 Pipe-SGD with K = 2 and each codec (eq. 4-5), and, on one machine, CGDP at its best chunk (eq. 1-2).
 A pipeline plan that puts the whole model on every worker is data parallelism: it competes as such
-(``ddp``), not as a pipeline. The profile's measured set-up (:class:`pipetrain.runsetup.Setup`), when it
+(``ddp``), not as a pipeline. The profile's measured set-up (:class:`pipetrain.setup.Setup`), when it
 has one, prices what the workers of this machine cost each other.
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pipetrain.planning.result import Plan
 from pipetrain.planning.units import format_bandwidth, parse_bandwidth
 from pipetrain.profiling import Profile
 from pipetrain.registry import build_schedule
-from pipetrain.runsetup import torch_threads
 from pipetrain.simulate import Link, predict_cgdp, predict_data_parallel, simulate
+from pipetrain.strategies import cgdp
+from pipetrain.timing import torch_threads
 
 CANDIDATES: dict[str, dict[str, Any]] = {
     "pipeline": {"strategy": "pipeline", "schedule": "pipedream"},
@@ -197,12 +198,10 @@ def _cannot(name: str, workers: int, batch: int, one_machine: bool) -> str:
 def _best_chunk(profile: Profile, workers: int, batch: int, host: dict[str, float] | None) -> tuple[float, int]:
     """CGDP's (samples/s, layers per chunk) at the chunk size its cost model predicts fastest (of
     several alike, the one with the fewest chunks)."""
-    from pipetrain.strategies.cgdp import measure_host_costs
-
     units = sum(1 for x in profile.layers if x.parameter_bytes)
     if host is None:  # timed as the workers add, with their thread count
         with torch_threads(None if profile.setup is None else profile.setup.threads):
-            host = measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), workers)
+            host = cgdp.measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), workers)
     # a signal is a 1-element allreduce among the machine's workers: 2 (L - 1) messages
     signal = 0.0 if profile.setup is None else float(ring_allreduce_time(
         workers, 4.0, *profile.setup.allreduce_terms(ours=False), 0.0))
