@@ -208,9 +208,8 @@ def _best_chunk(profile: Profile, workers: int, batch: int, host: dict[str, floa
     found = {k: predict_cgdp(profile, workers, k, batch, signal_s=signal, copy_s_per_byte=host["copy_s_per_byte"],
                              sum_s_per_byte=host["sum_s_per_byte"]) for k in range(1, max(units, 1) + 1)}
     rates = {k: p.samples_per_s for k, p in found.items()}
-    # Of the sizes the model prices alike, the fewest chunks: traced on resnet-like (2 workers, 2 cores)
-    # every chunk took 0.8-1.9 ms of the backward (33 ms with 2 chunks, 40 with 6, 46 with 11), of which
-    # the model prices only its signals' CPU (2 x 0.22 ms), and nothing with a core per worker.
+    # Of the sizes the model prices alike, the fewest chunks: every chunk costs the backward more than the
+    # model prices (only its signals' CPU, and nothing with a core per worker).
     best = max(rates.values())
     chunk = min((k for k in rates if rates[k] >= best * (1 - 1e-9)), key=lambda k: (len(found[k].chunks), k))
     return rates[chunk], chunk

@@ -48,19 +48,12 @@ def allreduce_at_sync(kernel: Callable[[], Any], step_s: float, rank: int, round
     calls; its compute waits in the call, as a job's does. Rounds: ``rounds``, fewer where the steps and
     calls would take over :data:`SYNC_PROBE_S` (at least 8). Seconds: each round's time is the last
     caller's (the others were already waiting), the mean over the rounds. CPU: each rank's median,
-    averaged over the ranks; waiting for the last rank costs CPU too (2 ranks on 2 cores: 0.16-0.19 ms
-    back to back, 0.29-0.44 ms staggered by up to 2 ms).
+    averaged over the ranks; waiting for the last rank costs CPU too, so the ranks arrive staggered
+    as a job's do rather than lined up.
 
-    Ours: the repository's example MLP (a 73 KB gradient, 2 workers on 2 cores) waited 1.0 ms (median)
-    and 1.8 ms (mean) for its replicated stage's allreduce, where the 1-element call's α and the
-    measured ring's β priced 0.8 ms; alone, a loop of its training step and that allreduce took 0.23
-    (0.53) ms per 1-element call and 0.91 (1.43) ms per gradient.
-
-    4 ranks of mnist-mlp on 2 cores, in 5 probes each: with a thread of every rank computing all
-    along, as earlier probes took α, 0.7-1.2 ms per step (means of 40 calls), and mnist-mlp's cgdp
-    prediction moved 2x between probes; with nothing else running, 0.24-0.28 ms; as here, 0.27-0.42 (12
-    probes). Its cgdp signals met medians of 0.19-0.25 ms per step in a traced run, 0.75 for the
-    iteration's last (0.4 on average)."""
+    Why after a training step and not beside a computing thread: timed while a thread of every rank
+    computes all along, the call reads several times what a job's sync meets, and CGDP's prediction,
+    which pays two such calls per chunk, moves with it from one probe to the next."""
     flag = torch.zeros(max(1, nbytes // 4), device=device)
     start = time.perf_counter()
     dist.all_reduce(flag)

@@ -19,18 +19,19 @@ from pipetrain.timing import median_seconds
 
 SETTLE_EXCESS = 1.5
 """How far a set-up's compute slowdown may exceed what the cores explain (:func:`sample_compute`)
-before the rounds are taken again. lstm-lm's step on 2 workers, 2 cores, 284 rounds back to back over
-240 s: 249 read 0.85-1.27x; 33 read 1.70-1.81x, in spells of one round to about 12 s, while the VM
-ran its two cores as one (one process alone kept its speed)."""
+before the rounds are taken again: a virtual machine may run its cores as fewer for a spell of
+seconds, and a slowdown read in one is the spell's, not the job's."""
 
 SETTLE_SECONDS = 12.0
-"""The longest :func:`sample_compute` goes on taking rounds for a reading the cores explain."""
+"""The longest :func:`sample_compute` goes on taking rounds for a reading the cores explain: longer
+than such a spell lasts."""
 
 
 @dataclass(frozen=True)
 class ModelStep:
-    """A kernel for :func:`measure_setup`: one forward and backward of ``model`` on ``batch`` (an
-    ``(input, target)`` pair), the work the workers of a job share the cores with."""
+    """A kernel for :func:`pipetrain.setup.measure_setup`: one forward and backward of ``model`` on
+    ``batch`` (an ``(input, target)`` pair), the work the workers of a job share the cores with."""
+
     model: torch.nn.Module
     batch: Any
     loss_fn: Callable[[Any, Any], torch.Tensor]
@@ -53,6 +54,7 @@ def model_step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any],
 
 
 def matmul(n: int) -> None:
+    """The default kernel: a float32 matmul of two ``n`` x ``n`` matrices."""
     a = torch.randn(n, n)
     (a @ a).sum().item()
 
@@ -71,7 +73,7 @@ def run_for(kernel: Callable[[], Any], seconds: float, stop: threading.Event | N
 
 
 def jitter_of_calls(calls: list[list[float]]) -> float:
-    """:attr:`Setup.jitter_s` from every worker's call times in one round: the variance of all the calls
+    """:attr:`~pipetrain.setup.data.Setup.jitter_s` from every worker's call times in one round: the variance of all the calls
     about their common mean (a worker slower throughout counts, as it holds back the others at every
     sync), over that mean (the variance of work of d seconds grows as d when it is interrupted at random
     moments, as time slices are)."""
@@ -82,15 +84,14 @@ def jitter_of_calls(calls: list[list[float]]) -> float:
 def sample_compute(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, window: int,
                    settle_s: float, rank: int, device: torch.device) -> tuple[list[float], list[float], list[float],
                    float]:
-    """The compute rounds of :func:`_probe` (a collective: every rank calls it): rank 0 runs ``kernel``
+    """The compute rounds of the set-up's probe (a collective: every rank calls it): rank 0 runs ``kernel``
     alone for ``seconds``, then ranks below ``workers`` run it at once, ``window`` times. Rank 0's
     ratio of the two (rank 0's rounds only: other ranks hold 1.0), the jitter and the step of each
     round, and the seconds spent re-sampling.
 
     Where the median ratio of the last ``window`` rounds is more than :data:`SETTLE_EXCESS` times
     what the cores explain (one, or the workers' threads over the cores where they outnumber them), the
-    machine was taking cores from the job while it was sampled, which on this VM comes in spells of
-    seconds: rounds go on, one at a time, until the last ``window`` read within it (those are kept) or
+    machine was taking cores from the job while it was sampled, which comes in spells of seconds: rounds go on, one at a time, until the last ``window`` read within it (those are kept) or
     ``settle_s`` has passed (every round is kept: the load is the machine's, and the job will meet it)."""
     explained = max(1.0, workers * threads / (os.cpu_count() or 1))
     ratios: list[float] = []

@@ -15,7 +15,7 @@ from pipetrain import costs
 
 @dataclass(frozen=True)
 class Setup:
-    """How a job's workers run, measured on the machine (see :func:`measure_setup`).
+    """How a job's workers run, measured on the machine (see :func:`pipetrain.setup.measure_setup`).
 
     Attributes:
         backend: ``gloo`` or ``nccl``.
@@ -25,7 +25,7 @@ class Setup:
         slowdown: mean compute time per step with all ``workers`` computing at once, over the same
             alone (1: no contention; 2: four single-thread workers on two cores).
         latency_s, s_per_byte: one message's one-way time between two workers while every worker computes,
-            as a line through two sizes (:data:`MESSAGE_SIZES`).
+            as a line through two sizes (:data:`pipetrain.setup.messages.MESSAGE_SIZES`).
         idle_latency_s: the same line's latency with nothing else running in the two processes; 0 when
             not measured (a message then always takes ``latency_s``: see
             :func:`pipetrain.costs.busy_latency_s`).
@@ -35,11 +35,11 @@ class Setup:
         computing_message_cpu_s, computing_message_cpu_s_per_byte: the same for a message sent or
             received right after a training step, as a job's workers send theirs (the step's own CPU
             left out); 0 when not measured, and the idle line stands in. A job's messages pay this one
-            (:meth:`shared_cpu`): see :data:`COMPUTING_ROUNDS_SECONDS`.
+            (:meth:`shared_cpu`): see :data:`pipetrain.setup.messages.COMPUTING_ROUNDS_SECONDS`.
         copy_s_per_byte: copying memory (a stashed weight version, a gradient buffer).
         ring_latency_s, ring_s_per_byte: our ring allreduce over all the workers while every worker
             computes (α and β of :func:`pipetrain.costs.ring_allreduce_time`: n bytes over p workers take
-            2(p-1) α + 2(p-1)/p n β), from two sizes (:func:`ring_line`); 0 when not measured (a
+            2(p-1) α + 2(p-1)/p n β), from two sizes (:func:`pipetrain.setup.ring.ring_line`); 0 when not measured (a
             profile saved before they were), and the message figures stand in.
         idle_ring_latency_s, idle_ring_s_per_byte: the same ring's line with nothing else running (what
             a ring met while the workers compute only part of it is priced between the two:
@@ -47,44 +47,43 @@ class Setup:
             leaves our ring's CPU unmeasured too), and the ring is priced busy.
         idle_ring_s: seconds one whole ring allreduce of a gradient of ``ring_cpu_bytes`` took with each
             codec (by name, ``none`` included), nothing else running, timed with its CPU
-            (:func:`ring_alone`): the job's own ring, its codec's work included, where the idle line
+            (:func:`pipetrain.setup.ring.ring_alone`): the job's own ring, its codec's work included, where the idle line
             holds neither (see :meth:`idle_ring`); empty when not measured.
         allreduce_latency_s: α of the backend's own allreduce (what DDP, a replicated stage's buckets
             and CGDP's signals use): a 1-element ``all_reduce`` among all the workers arriving
-            staggered, from the last rank's call, over its 2(p-1) steps (:func:`allreduce_at_sync`); 0
-            when not measured.
+            staggered, from the last rank's call, over its 2(p-1) steps
+            (:func:`pipetrain.setup.collectives.allreduce_at_sync`); 0 when not measured.
         allreduce_s_per_byte, allreduce_bytes: β of the same allreduce, from the same probe of a
             gradient of ``allreduce_bytes`` (the job's, at most a replicated stage's bucket) beside the
             1-element one (the line through the two: 2(p-1) α + 2(p-1)/p n β), for gradients up to that
             size (:meth:`allreduce_terms`); 0 when not measured (the measured ring's β stands in).
         jitter_s: how much a worker's compute time varies with all ``workers`` computing at once, as a
             variance per second of compute: work of d seconds takes d ± sqrt(``jitter_s`` d) (one
-            standard deviation; :func:`jitter_of_calls`); 0 when not measured.
+            standard deviation; :func:`pipetrain.setup.compute.jitter_of_calls`); 0 when not measured.
         allreduce_cpu_s: CPU seconds a worker spends in one 1-element ``all_reduce`` of the backend (a
-            signal: CGDP sends two per chunk), waiting for the others included (:func:`allreduce_at_sync`);
-            0 when not measured.
+            signal: CGDP sends two per chunk), waiting for the others included; 0 when not measured.
         ring_cpu_s, ring_cpu_s_per_byte: CPU seconds a rank spends in one step of our ring allreduce,
             fixed and per byte of its block (:func:`pipetrain.costs.ring_allreduce_cpu_s`), with nothing
-            else running (:func:`ring_cpu_line`); 0 when not measured, and the message figures stand in.
+            else running (:func:`pipetrain.setup.ring.ring_cpu_line`); 0 when not measured, and the message figures stand in.
         codec_ring_cpu_s, ring_cpu_bytes: CPU seconds a rank spends in one whole ring allreduce of a
             gradient of ``ring_cpu_bytes`` with each lossy codec (by name), with nothing else running,
-            as the plain ring's CPU is measured (:func:`ring_cpu_line`); empty and 0 when not measured (the
-            plain ring's line and the codec's arithmetic timed apart stand in: see
-            :meth:`codec_ring_cpu`).
+            as the plain ring's CPU is measured; empty and 0 when not measured (the plain ring's line and
+            the codec's arithmetic timed apart stand in: see :meth:`codec_ring_cpu`).
         add_s_per_byte: adding memory into memory of the same size, per byte of one of them (a
             microbatch's gradients added into ``.grad``); 0 when not measured.
         step_s, step_rows: the seconds one call of the measured kernel took with all ``workers`` calling
             it at once (the median over the rounds of their mean), and, when the kernel was a training
-            step of the model (:func:`model_step`), the rows of its batch; 0 when not measured or not a
+            step of the model (:func:`pipetrain.setup.model_step`), the rows of its batch; 0 when not measured or not a
             model step. A step at a data-parallel worker's shard prices that worker's forward and
             backward directly (:func:`pipetrain.simulate.predict_data_parallel`).
         resampled_s: seconds the compute rounds went on past the first because the slowdown read more
-            than the cores explain (:func:`sample_compute`); 0 when it did not, or not measured.
+            than the cores explain (:func:`pipetrain.setup.compute.sample_compute`); 0 when it did not, or not measured.
         period_s: where the workers share cores, seconds per iteration of pipe-sgd's own loop at K = 2
             with each codec (by name, ``none`` included) at a gradient of ``ring_cpu_bytes``: the
-            kernel, then the ring of the step before it, which ran beside it (:func:`pipe_sgd_period`; see
-            :meth:`period`); empty when not measured.
+            kernel, then the ring of the step before it, which ran beside it
+            (:func:`pipetrain.setup.ring.pipe_sgd_period`; see :meth:`period`); empty when not measured.
     """
+
     backend: str
     workers: int
     threads: int
@@ -133,9 +132,9 @@ class Setup:
         as ``nbytes`` None does. In a set-up without them, a message's latency and seconds per byte
         stand in for the ring's.
 
-        Ours: priced at the backend's own β at sync, DDP's vgg-like (107 MB, 2 workers) read 178
-        samples/s against 147 measured (its 1 MiB probe 1.0 ns/B), where the busy ring's β had priced
-        130 against 132."""
+        [Note: backend β] A large gradient priced at the backend's β at sync over-predicts DDP: on
+        vgg-like (2 workers) by 21% where the busy ring's β comes within 2%
+        (``python benchmarks/dp_predictions.py --models vgg-like``)."""
         if ours and idle and self.idle_ring_latency_s + self.idle_ring_s_per_byte > 0:
             return self.idle_ring_latency_s, self.idle_ring_s_per_byte
         latency = self.ring_latency_s if ours else self.allreduce_latency_s
@@ -160,11 +159,10 @@ class Setup:
         with ``codec``, as measured in this set-up; None where it was not measured for that codec, those
         workers and that size.
 
-        Ours: priced from the plain ring's line at the payload's bytes plus the codec's arithmetic timed
-        apart, a codec's ring came out short of what it costs: vgg-like on 2 workers, 68 and 67 ms
-        (trunc16, quant8) against 68-83 and 75-81 ms measured alone; mnist-mlp on 4, 9.1 and 7.8 against
-        9.2-13.8 and 10.7-12.5 (its blocks travel in 5 and 3 chunks where the line assumes fewer bytes
-        cost less, and the arithmetic runs per chunk: 1.4 and 2.6 ms against 0.6 and 1.2 timed whole)."""
+        Measured rather than derived: the plain ring's line at the payload's bytes plus the codec's
+        arithmetic timed apart prices a codec's ring short, as a block travels in several chunks whose
+        fixed cost does not shrink with the bytes, and the codec's arithmetic runs per chunk, slower
+        than on the whole gradient at once."""
         return self._at_job(self.codec_ring_cpu_s, codec, workers, nbytes)
 
     def idle_ring(self, codec: str, workers: int, nbytes: int) -> float | None:
@@ -172,10 +170,8 @@ class Setup:
         nothing else running, as measured in this set-up; None where it was not measured for that codec,
         those workers and that size.
 
-        Ours: the idle line (α, β) and the codec's arithmetic timed apart missed how a codec's ring runs
-        where workers share cores. On 4 emulated hosts at 1 Gbit/s (2 cores), mnist-mlp's plain ring
-        moved its bytes at the line's rate, but its quant8 ring, a quarter of the bytes, ran an
-        iteration in 26-30 ms where the line and arithmetic priced 21."""
+        Measured rather than derived: where workers share cores, the idle line (α, β) and the codec's
+        arithmetic timed apart price a codec's ring, a fraction of the bytes, shorter than it runs."""
         return self._at_job(self.idle_ring_s, codec, workers, nbytes)
 
     def period(self, codec: str, workers: int, nbytes: int) -> float | None:
@@ -183,12 +179,9 @@ class Setup:
         beside it) over ``workers`` with ``codec`` at ``nbytes`` of gradient, as measured in this set-up;
         None where it was not (workers with cores of their own, another codec, workers or size).
 
-        Ours: where workers share cores, the ring's CPU and the compute slow each other by more than
-        either's own measurement says. mnist-mlp's 4 workers on 2 cores: a CPU second of the ring,
-        charged at 2 (the workers per core), priced 21-23 ms where its iterations took 26 ms on the
-        emulated cluster; charged at the compute's slowdown, which read 2.25-2.81 from one set-up to
-        the next, its predictions on loopback ran 2525-3546 samples/s against 3016-4116 measured.
-        Timed as the workers run it, the loop took 26.0-30.2 ms in 11 of 12 probes of 12 iterations (20.9 in one)."""
+        Measured rather than derived: where workers share cores, the ring's CPU and the compute slow
+        each other by more than either's own measurement says, whether the ring's CPU is charged at the
+        workers per core or at the compute's slowdown (which also varies from one set-up to the next)."""
         return self._at_job(self.period_s, codec, workers, nbytes)
 
     def _at_job(self, table: dict[str, float], codec: str, workers: int, nbytes: int) -> float | None:
@@ -209,7 +202,8 @@ class Setup:
     @staticmethod
     def from_dict(data: Any, field_of: Callable[..., Any]) -> Setup:
         """The set-up ``data`` holds; ``field_of(entry, key, where, kind)`` reads and checks one field
-        (:func:`pipetrain.profiling._field`); ValueError naming the field otherwise."""
+        (:func:`pipetrain.profiling._field`); ValueError naming the field otherwise. Keys that are no
+        field of :class:`Setup` (one a profile saved by an older version holds) are ignored."""
         if not isinstance(data, dict):
             raise ValueError(f"profile: 'setup' is {data!r:.40}, not an object")
         kinds = {"backend": str, "workers": int, "threads": int, "cores": int, "step_rows": int, "ring_cpu_bytes": int}

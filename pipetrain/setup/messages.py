@@ -21,9 +21,9 @@ def ping_pong(transport: Transport, rank: int, rounds: int, device: torch.device
     ``rounds`` round trips of each between ranks 0 and 1 (other ranks only join the barrier), the sizes
     taken in turn within every round, so that both meet the same states of the machine's scheduler.
     ``between``: run by ranks 0 and 1 before each round trip, its thread's own CPU left out of the
-    message's (what the transport and gloo threads did meanwhile is kept), not timed.
-    Taken one size after the other, the line's intercept and slope traded errors: within one launch of
-    4 workers on 2 cores, 0.7-4.4 ms with 3.35-0.15 ns/B; in turn, 1.1-4.4 ms with 0.0-0.66 ns/B."""
+    message's (what the transport and gloo threads did meanwhile is kept), not timed. Taken one size
+    after the other instead, each size meets a different phase of the machine, and the line's
+    intercept and slope trade errors."""
     payloads = [torch.zeros(n // 4, device=device) for n in MESSAGE_SIZES]
     wall, cpu = [0.0] * len(payloads), [0.0] * len(payloads)
     dist.barrier()
@@ -49,11 +49,12 @@ def ping_pong(transport: Transport, rank: int, rounds: int, device: torch.device
 
 
 COMPUTING_ROUNDS_SECONDS = 2.0
-"""About how long the ping-pong after a training step (:func:`computing_rounds`) may take. A message's
-transport and gloo threads that run right after a step find the caches holding the step's data: on
-sim_vs_real's wide MLP (2 workers, 2 cores), a 256 KB message end cost 0.6-0.9 ms of CPU after a step
-of 64 rows, 0.25-0.3 ms with nothing else running; in its runs each end of gpipe's 256 KB messages
-cost 1.0-1.2 ms (the runs' transport and gloo threads over their messages)."""
+"""About how long the ping-pong after a training step (:func:`computing_rounds`) may take. It is
+timed after a step because a message's transport and gloo threads that run right after one find the
+caches holding the step's data, and cost more CPU than with nothing else running.
+
+[Note: message CPU after a step] About 3x: a 256 KB message end on sim_vs_real's MLP (2 workers, 2
+cores); the run set-up line of ``python benchmarks/sim_vs_real.py --quick`` prints both."""
 
 
 def computing_rounds(step_s: float, rounds: int) -> int:

@@ -45,20 +45,23 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     ``kernel`` (default: a float32 matmul; pass one training step of the model for a faithful
     figure) alone for ``seconds``, then every rank runs it at once; ``slowdown`` is the median over
     the rounds of the ranks' mean time per call over rank 0's alone, and ``jitter_s`` the median of
-    how much those calls varied (:func:`jitter_of_calls`); where the slowdown reads more than the cores explain,
-    rounds go on for up to ``settle_s`` (:func:`sample_compute`). Messages: ranks 0 and 1 play
-    ping-pong through the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of :data:`MESSAGE_SIZES`, one way being
-    half a round trip: first with nothing else running in the two processes, for the idle latency and
-    the CPU time per message end (and the backend's ``all_reduce`` of 1 element among every rank, as a job's sync meets
-    it: :func:`allreduce_at_sync`); then while a thread of every rank runs ``kernel``, as the compute
-    threads of a running job do, for the time per message (its transport threads then wait for a core)
-    and our ring's line. Our ring's CPU is measured with nothing else running (:func:`ring_cpu_line`) at
-    ``ring_bytes`` (the job's gradient: pass the model's parameter bytes) and a quarter of it, and at
-    ``ring_bytes`` with each lossy codec (unless it is below 4 x 64 KB or above
-    :data:`RING_CPU_MAX_BYTES`), else at two of :data:`RING_BYTES` and with no codec. Only pipe-sgd's
-    prediction reads our ring's CPU: with ``ring_cpu=False`` (a pipeline's planning) it is not
-    measured: a vgg-like job's set-up (a 107 MB gradient, 2 workers, loopback) took 7.5-8.2 s without it
-    and 12.0-15.9 s with it, and on a slow link each of those rings takes seconds.
+    how much those calls varied (:func:`~pipetrain.setup.compute.jitter_of_calls`); where the
+    slowdown reads more than the cores explain, rounds go on for up to ``settle_s``
+    (:func:`~pipetrain.setup.compute.sample_compute`). Messages: ranks 0 and 1 play ping-pong through
+    the runtime's :class:`~pipetrain.runtime.transport.Transport` at each of
+    :data:`~pipetrain.setup.messages.MESSAGE_SIZES`, one way being half a round trip: first with
+    nothing else running in the two processes, for the idle latency and the CPU time per message end
+    (and the backend's ``all_reduce`` of 1 element among every rank, as a job's sync meets it:
+    :func:`~pipetrain.setup.collectives.allreduce_at_sync`); then while a thread of every rank runs
+    ``kernel``, as the compute threads of a running job do, for the time per message (its transport
+    threads then wait for a core) and our ring's line. Our ring's CPU is measured with nothing else
+    running (:func:`~pipetrain.setup.ring.ring_cpu_line`) at ``ring_bytes`` (the job's gradient: pass
+    the model's parameter bytes) and a quarter of it, and at ``ring_bytes`` with each lossy codec
+    (unless it is below 4 x 64 KB or above :data:`~pipetrain.setup.ring.RING_CPU_MAX_BYTES`), else at
+    two of :data:`~pipetrain.setup.ring.RING_BYTES` and with no codec. Only pipe-sgd's prediction
+    reads our ring's CPU: with ``ring_cpu=False`` (a pipeline's planning) it is not measured, as it
+    makes the set-up of a large gradient take about half as long again, and on a slow link each of
+    those rings takes seconds.
     """
     kernel = kernel or functools.partial(matmul, 256)
     run = launch or (lambda fn, args, world: spawn(fn, world, args, describe="set-up probe {}".format))
@@ -79,13 +82,13 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``ring_cpu_bytes``: the
     two gradients our ring's CPU is timed at (None: not timed); ``codec_bytes``: the one it is timed at
     with each lossy codec too (0: none), and, where the workers share cores (``shared``), pipe-sgd's
-    loop with each codec (:func:`pipe_sgd_period`); ``allreduce_bytes``: the gradient the backend's allreduce
-    is timed at beside 1 element."""
+    loop with each codec (:func:`~pipetrain.setup.ring.pipe_sgd_period`); ``allreduce_bytes``: the
+    gradient the backend's allreduce is timed at beside 1 element."""
     torch.set_num_threads(threads)
     device = init_distributed(timeout)
     rank = dist.get_rank()
     ratios, jitters, steps, resampled = sample_compute(workers, threads, kernel, seconds, compute_rounds, settle_s,
-                                                         rank, device)
+                                                       rank, device)
     slowdown, step_s = (statistics.median(ratios) if workers > 1 else 1.0), statistics.median(steps)
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
     # CPU per message and our ring's CPU with nothing else running in the processes, and the backend's
@@ -118,8 +121,8 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     # only pipe-sgd, whose set-up times our ring's CPU, is priced with it
     idle_ring_latency, idle_ring_per_byte = (0.0, 0.0) if ring_cpu_bytes is None else \
         ring_line(rank, sizes, device, rounds)
-    periods = {name: pipe_sgd_period(kernel, device, CODECS[name], codec_bytes, s) for name, s in idle_ring.items()} \
-        if shared else {}
+    periods = {name: pipe_sgd_period(kernel, device, CODECS[name], codec_bytes, s)
+               for name, s in idle_ring.items()} if shared else {}
     if rank != 0:
         return {}
     cpu_s, cpu_per_byte = fit_line(cpu)

@@ -28,10 +28,8 @@ RING_CPU_SECONDS = 1.0
 RING_CPU_CALLS = (3, 9)
 """The fewest and the most calls :func:`ring_alone` takes the median of."""
 PERIOD_CALLS = (3, 24)
-"""The fewest and the most iterations of pipe-sgd's loop :func:`pipe_sgd_period` takes the median of: its
-iterations vary with the machine's phases, and mnist-mlp's 4 workers on 2 cores read 24.4-32.9 ms for
-the plain ring in four set-ups with at most 9, 24.2-31.1 with at most 25 (24-33 ms an iteration in its
-runs)."""
+"""The fewest and the most iterations of pipe-sgd's loop :func:`pipe_sgd_period` takes the median of:
+its iterations vary with the machine's phases, about as much as a job's own do."""
 RING_SECONDS = 0.1
 """About how long the large ring allreduce should take, judged from the ping-pong's seconds per byte."""
 
@@ -46,23 +44,21 @@ def ring_sizes(s_per_byte: float) -> tuple[int, int]:
 
 def ring_line(rank: int, sizes: tuple[int, int], device: torch.device, rounds: int,
               big_rounds: int = 3) -> tuple[float, float]:
-    """(α, β) of :func:`pipetrain.strategies.ring.ring_allreduce` over every rank (all call it, in the
-    set-up each first while its compute thread runs, then with nothing else running): the ring
-    model's line through two gradient ``sizes`` (:func:`ring_sizes`). Small: ``rounds``
-    staggered allreduces (:func:`staggered_calls`; with 3, α read 0.3-7.9 ms per step in six probes a
-    few seconds apart), each rank's median, waiting included, averaged over the ranks. Lined up by a
-    barrier, 4 ranks on 2 cores read 2.8-3.8 ms per step, staggered 3.8-4.4, and mnist-mlp's pipe-sgd
-    rings met 3.7-4.1 in its runs (their time less the bytes at β). Large: ``big_rounds`` lined up by
-    a barrier, sized to take about :data:`RING_SECONDS` on the link; a one-message line under-rates
-    what a long transfer costs (on loopback gloo moved 1 MiB messages at 0.26 ns/B, a 108 MB ring at 1.9 ns/B with
-    the cores busy)."""
+    """(α, β) of :func:`pipetrain.strategies.ring.ring_allreduce` over every rank (all call it; the
+    set-up calls it while a thread of each rank computes, then with nothing else running): the ring
+    model's line through two gradient ``sizes`` (:func:`ring_sizes`). Small: ``rounds`` staggered
+    allreduces (:func:`~pipetrain.setup.collectives.staggered_calls`), each rank's median, waiting
+    included, averaged over the ranks: a job's ranks arrive staggered, which costs each step more
+    than calls lined up by a barrier do, and a few rounds vary widely. Large: ``big_rounds`` lined
+    up by a barrier, sized to take about :data:`RING_SECONDS` on the link: a long transfer costs
+    more per byte than a line through one message's sizes says."""
     world = dist.get_world_size()
     small, large = (torch.zeros(world, block_size(n // 4, world, 1), device=device) for n in sizes)
     # the small one staggered, as a job's ranks arrive: each rank's own time, waiting included, is a
     # period of a ring that runs one allreduce after another; the mean over the ranks
     held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
     small_s = statistics.median(staggered_calls(lambda: ring_allreduce(small, None, get_codec(None), held), rank,
-                                                 rounds)[0])
+                                                rounds)[0])
     times = [mean_over_ranks(small_s, device),
              median_seconds(lambda: ring_allreduce(large, None, get_codec(None), held), big_rounds, sync=dist.barrier)]
     hops, share = 2 * (world - 1), 2 * (world - 1) / world
@@ -75,10 +71,10 @@ def ring_cpu_line(device: torch.device, sizes: tuple[int, int]) -> tuple[float, 
     :func:`pipetrain.strategies.ring.ring_allreduce` over every rank with nothing else running
     (:func:`ring_alone`) at two gradient ``sizes`` (bytes): the line of
     :func:`pipetrain.costs.ring_allreduce_cpu_s` through the two, and how long the ``sizes[1]`` one
-    took. The line is not straight over all sizes: a block travels in 1 to 16 messages ([Note: chunks] in
-    :mod:`pipetrain.strategies.ring`), each 0.27-0.39 ms of CPU from 22 KB to 310 KB and 0.69-0.73 ms at
-    1 MB (3 and 4 ranks), so the job's own size is measured when it is known. With a thread of every
-    rank computing it is about as much (3 ranks, 3.3 MB: 10.4 ms alone, 9.8 ms beside a matmul loop)."""
+    took. The line is not straight over all sizes: a block travels in 1 to 16 messages ([Note: chunks]
+    in :mod:`pipetrain.strategies.ring`), whose CPU grows in steps with their size, so the job's own
+    size is measured when it is known. With a thread of every rank computing it is about as much, so
+    it is timed alone."""
     world, codec = dist.get_world_size(), CODECS["none"]
     block = [block_size(nbytes // 4, world, 1) for nbytes in sizes]  # elements per rank's block
     alone = [ring_alone(device, codec, nbytes) for nbytes in sizes]
@@ -90,9 +86,8 @@ def ring_alone(device: torch.device, codec: Codec, nbytes: int) -> tuple[float, 
     gradient of ``nbytes`` with ``codec`` over every rank, nothing else running: calls lined up by a
     barrier after one that warms the ring's buffers up, each rank's median CPU of its whole process
     (gloo's threads included) and median time, each averaged over the ranks. As many calls as fit in
-    :data:`RING_CPU_SECONDS` (by the slowest rank's warm-up), between :data:`RING_CPU_CALLS`: one call's CPU varies a lot (vgg-like's
-    107 MB ring on 2 ranks: 50-58 ms on one rank and 53-82 ms on the other over 12 calls), and the
-    median of 3 read 44-75 ms in four probes."""
+    :data:`RING_CPU_SECONDS` (by the slowest rank's warm-up), between :data:`RING_CPU_CALLS`: one
+    call's CPU varies a lot from call to call and from rank to rank."""
     ring = _job_ring(device, codec, nbytes)
     dist.barrier()
     w0 = time.perf_counter()
@@ -109,7 +104,8 @@ def ring_alone(device: torch.device, codec: Codec, nbytes: int) -> tuple[float, 
     return mean_over_ranks(statistics.median(cpu), device), mean_over_ranks(statistics.median(wall), device)
 
 
-def pipe_sgd_period(kernel: Callable[[], Any], device: torch.device, codec: Codec, nbytes: int, ring_s: float) -> float:
+def pipe_sgd_period(kernel: Callable[[], Any], device: torch.device, codec: Codec, nbytes: int,
+                    ring_s: float) -> float:
     """Seconds per iteration of pipe-sgd's loop at K = 2 (a collective: every rank calls it): each rank
     runs ``kernel`` (its training step), waits for the ring allreduce of the step before (a float32
     gradient of ``nbytes``, with ``codec``), which ran on a communication thread beside it, and starts
