@@ -551,12 +551,11 @@ def test_a_set_up_samples_compute_again_while_the_machine_takes_cores_and_keeps_
     for ``settle_s`` (every round is kept; a step is the mean of the calls, and rank 0 makes three for
     each of rank 1's: 7.5 ms in the spell)."""
     spell = measure_setup(2, 1, Spell(0.005, 3.0, 1.0), seconds=0.05, rounds=3, ring_bytes=40, settle_s=10.0)
-    assert spell.slowdown < SETTLE_EXCESS and spell.step_s < 0.007 and 0.3 < spell.resampled_s < 5
-    assert "compute re-sampled for" in spell.describe()
+    assert spell.slowdown < SETTLE_EXCESS and spell.step_s < 0.007
     stays = measure_setup(2, 1, Spell(0.005, 3.0, math.inf), seconds=0.05, rounds=3, ring_bytes=40, settle_s=1.0)
-    assert stays.slowdown == pytest.approx(2.0, rel=0.15) and stays.step_s > 0.0065 and stays.resampled_s >= 1.0
+    assert stays.slowdown == pytest.approx(2.0, rel=0.15) and stays.step_s > 0.0065
     steady = measure_setup(2, 1, Spell(0.005, 1.0, 0.0), seconds=0.05, rounds=3, ring_bytes=40)
-    assert steady.slowdown < 1.2 and steady.resampled_s == 0 and "re-sampled" not in steady.describe()
+    assert steady.slowdown < 1.2
 
 
 def test_the_last_of_several_workers_arrives_as_order_statistics_say():
@@ -604,6 +603,13 @@ def test_the_probes_jitter_is_the_variance_of_every_workers_calls_per_second():
     second of compute."""
     assert jitter_of_calls([[1 * MS, 3 * MS], [2 * MS, 2 * MS]]) == pytest.approx(0.25 * MS)
     assert jitter_of_calls([[2 * MS]]) == 0.0
+
+
+def test_a_setup_saved_with_a_key_no_longer_measured_loads_without_it():
+    """A profile saved by an older version may hold set-up keys that are no field any more."""
+    saved = two_layers(setup(jitter_s=1e-4)).to_dict()
+    saved["setup"]["resampled_s"] = 1.5
+    assert Profile.from_dict(json.loads(json.dumps(saved))).setup == setup(jitter_s=1e-4)
 
 
 def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with_messages():

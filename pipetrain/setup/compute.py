@@ -82,16 +82,16 @@ def jitter_of_calls(calls: list[list[float]]) -> float:
 
 
 def sample_compute(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, window: int,
-                   settle_s: float, rank: int, device: torch.device) -> tuple[list[float], list[float], list[float],
-                   float]:
+                   settle_s: float, rank: int, device: torch.device) -> tuple[list[float], list[float], list[float]]:
     """The compute rounds of the set-up's probe (a collective: every rank calls it): rank 0 runs ``kernel``
     alone for ``seconds``, then ranks below ``workers`` run it at once, ``window`` times. Rank 0's
-    ratio of the two (rank 0's rounds only: other ranks hold 1.0), the jitter and the step of each
-    round, and the seconds spent re-sampling.
+    ratio of the two (rank 0's rounds only: other ranks hold 1.0), and the jitter and the step of each
+    round.
 
     Where the median ratio of the last ``window`` rounds is more than :data:`SETTLE_EXCESS` times
     what the cores explain (one, or the workers' threads over the cores where they outnumber them), the
-    machine was taking cores from the job while it was sampled, which comes in spells of seconds: rounds go on, one at a time, until the last ``window`` read within it (those are kept) or
+    machine was taking cores from the job while it was sampled, which comes in spells of seconds:
+    rounds go on, one at a time, until the last ``window`` read within it (those are kept) or
     ``settle_s`` has passed (every round is kept: the load is the machine's, and the job will meet it)."""
     explained = max(1.0, workers * threads / (os.cpu_count() or 1))
     ratios: list[float] = []
@@ -119,8 +119,7 @@ def sample_compute(workers: int, threads: int, kernel: Callable[[], Any], second
         dist.broadcast(verdict, 0)
         if verdict.item():
             kept = window if verdict.item() == 1 else len(ratios)
-            return (ratios[-kept:], jitters[-kept:], steps[-kept:],
-                    time.perf_counter() - settling if len(ratios) > window else 0.0)
+            return ratios[-kept:], jitters[-kept:], steps[-kept:]
 
 
 def memory_s_per_byte(device: torch.device, op: Callable[[torch.Tensor, torch.Tensor], Any],

@@ -76,8 +76,6 @@ class Setup:
             step of the model (:func:`pipetrain.setup.model_step`), the rows of its batch; 0 when not measured or not a
             model step. A step at a data-parallel worker's shard prices that worker's forward and
             backward directly (:func:`pipetrain.simulate.predict_data_parallel`).
-        resampled_s: seconds the compute rounds went on past the first because the slowdown read more
-            than the cores explain (:func:`pipetrain.setup.compute.sample_compute`); 0 when it did not, or not measured.
         period_s: where the workers share cores, seconds per iteration of pipe-sgd's own loop at K = 2
             with each codec (by name, ``none`` included) at a gradient of ``ring_cpu_bytes``: the
             kernel, then the ring of the step before it, which ran beside it
@@ -109,7 +107,6 @@ class Setup:
     step_rows: int = 0
     codec_ring_cpu_s: dict[str, float] = field(default_factory=dict)
     ring_cpu_bytes: int = 0
-    resampled_s: float = 0.0
     idle_ring_latency_s: float = 0.0
     idle_ring_s_per_byte: float = 0.0
     idle_ring_s: dict[str, float] = field(default_factory=dict)
@@ -236,5 +233,4 @@ class Setup:
                 + "".join(f", {name} pipe-sgd iteration {1e3 * s:.1f} ms" for name, s in self.period_s.items())
                 + f", 10 ms of compute "
                 f"± {1e3 * (0.01 * self.jitter_s) ** 0.5:.1f} ms"
-                + (f", a training step of {self.step_rows} rows {1e3 * self.step_s:.1f} ms all at once" if self.step_rows else "")
-                + (f", compute re-sampled for {self.resampled_s:.1f} s" if self.resampled_s else ""))
+                + (f", a training step of {self.step_rows} rows {1e3 * self.step_s:.1f} ms all at once" if self.step_rows else ""))

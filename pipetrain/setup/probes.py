@@ -87,8 +87,7 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
     torch.set_num_threads(threads)
     device = init_distributed(timeout)
     rank = dist.get_rank()
-    ratios, jitters, steps, resampled = sample_compute(workers, threads, kernel, seconds, compute_rounds, settle_s,
-                                                       rank, device)
+    ratios, jitters, steps = sample_compute(workers, threads, kernel, seconds, compute_rounds, settle_s, rank, device)
     slowdown, step_s = (statistics.median(ratios) if workers > 1 else 1.0), statistics.median(steps)
     transport = Transport(rank, [(0, 1), (1, 0)], "rank {}".format, device, timeout)
     # CPU per message and our ring's CPU with nothing else running in the processes, and the backend's
@@ -138,6 +137,6 @@ def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float
                 ring_cpu_s_per_byte=ring_cpu_per_byte, idle_latency_s=idle_latency, step_s=step_s,
                 step_rows=kernel.rows if isinstance(kernel, ModelStep) else 0,
                 codec_ring_cpu_s={name: cpu for name, (cpu, _) in alone.items()}, ring_cpu_bytes=codec_bytes,
-                resampled_s=resampled, idle_ring_latency_s=idle_ring_latency, idle_ring_s_per_byte=idle_ring_per_byte,
+                idle_ring_latency_s=idle_ring_latency, idle_ring_s_per_byte=idle_ring_per_byte,
                 idle_ring_s=idle_ring, period_s=periods, computing_message_cpu_s=computing_cpu_s,
                 computing_message_cpu_s_per_byte=computing_cpu_per_byte)
