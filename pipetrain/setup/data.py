@@ -129,8 +129,8 @@ class Setup:
         as ``nbytes`` None does. In a set-up without them, a message's latency and seconds per byte
         stand in for the ring's.
 
-        [Note: backend β] A large gradient priced at the backend's β at sync over-predicts DDP: on
-        vgg-like (2 workers) by 21% where the busy ring's β comes within 2%
+        [Note: backend β] A large gradient priced at the backend's β at sync over-predicts DDP, by 21%
+        on vgg-like with 2 workers, where the busy ring's β does not
         (``python benchmarks/dp_predictions.py --models vgg-like``)."""
         if ours and idle and self.idle_ring_latency_s + self.idle_ring_s_per_byte > 0:
             return self.idle_ring_latency_s, self.idle_ring_s_per_byte
