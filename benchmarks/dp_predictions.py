@@ -7,7 +7,7 @@ within 15%?
 For each zoo model, with the workers and batch of ``benchmarks/auto_pick.py``, each of ``--reps`` rounds
 does what ``strategy="auto"`` does at a job's start on one machine (``pipetrain.bench.predictions.choose_auto``):
 it profiles one minibatch here with the SGD step per layer, measures the run set-up of the workers on
-this machine (``runsetup.measure_setup``, one training step of a worker's shard as the shared work)
+this machine (``pipetrain.setup.measure_setup``, one training step of a worker's shard as the shared work)
 and predicts every data-parallel candidate with ``planning.choose_strategy`` (codecs allowed; cgdp at
 the chunk its cost model predicts fastest). Then each candidate trains once with ``pipetrain.train``
 (cgdp at that round's chunk, pipe-sgd at K = 2), in rotating order, for :data:`STEPS` updates; the

@@ -21,7 +21,8 @@ from pipetrain.predict.pipeline import predict_plan
 from pipetrain.planning.units import parse_bandwidth
 from pipetrain.profiling import Profile, as_minibatch, profile_model, time_batching
 from pipetrain.registry import PipelineSchedule, Strategy, make
-from pipetrain.runsetup import measure_setup, model_step, torch_threads
+from pipetrain.setup import measure_setup, model_step
+from pipetrain.timing import torch_threads
 from pipetrain.runtime.dist import init_distributed
 from pipetrain.runtime.launch import under_torchrun
 from pipetrain.simulate import Link
@@ -59,7 +60,7 @@ def measured_profile(t: Training, workers: int, threads: int, batch_size: int | 
     """The model profiled on the first minibatch (of ``batch_size`` rows, default the job's) with the
     workers' thread count and optimizer, building a minibatch from the dataset timed
     (:func:`pipetrain.profiling.time_batching`); with the run set-up of ``workers`` local workers
-    measured (:func:`pipetrain.runsetup.measure_setup`), their shared work a training step on the
+    measured (:func:`pipetrain.setup.measure_setup`), their shared work a training step on the
     minibatch's first ``step_rows`` samples (default: all; a data-parallel worker's shard prices that
     worker directly), our ring's CPU timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under
     torchrun, whose workers this process does not start, no set-up is measured."""

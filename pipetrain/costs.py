@@ -210,7 +210,7 @@ def shared_core_period_s(period_s: Num, update_s: Num, mean_s: Num, link_ring_s:
     them: ``max(period + l_up + mean, ring on the link alone)``. Ours, not the paper's: eq. 4 takes the
     compute and the communication as separate resources; where workers share cores, every CPU second of
     either slows the other, so the set-up times the loop itself, a training step with the ring of the
-    step before beside it (:meth:`pipetrain.runsetup.Setup.period`). The update (its copy of the
+    step before beside it (:meth:`pipetrain.setup.Setup.period`). The update (its copy of the
     gradient included) and the division of the sum by p (``mean_s``) run on the same cores and add to
     it; no faster than the link moves the ring (``link_ring_s``: a link slower than the set-up's)."""
     return np.maximum(period_s + update_s + mean_s, link_ring_s)
@@ -288,7 +288,7 @@ def cgdp_wins(as_s: list[float], aa_s: list[float], bc_s: list[float]) -> bool:
 
 
 # -- The run set-up (ours, not the papers'): what the papers' models leave to "the network" and "the
-# device", measured (pipetrain.runsetup.Setup) because on shared CPUs it decides the throughput.
+# device", measured (pipetrain.setup.Setup) because on shared CPUs it decides the throughput.
 
 def message_time(nbytes: Num, latency_s: Num, s_per_byte: Num) -> Num:
     """α + n β: one message of n bytes (the latency-bandwidth model of Thakur et al. 2005, which
@@ -370,7 +370,7 @@ def last_arrival_s(arrivals: list[float], work_s: float, jitter_s: float) -> flo
     """When the last of several workers is expected to arrive at a synchronization: E[max_i (a_i + σ Z_i)],
     a_i each one's arrival without variation (e.g. simulated), σ = sqrt(``jitter_s`` x ``work_s``) the
     standard deviation of the ``work_s`` seconds of compute it did since the last one
-    (:attr:`pipetrain.runsetup.Setup.jitter_s`), the Z_i independent standard normals. Arrivals far
+    (:attr:`pipetrain.setup.Setup.jitter_s`), the Z_i independent standard normals. Arrivals far
     apart are barely delayed: the last one comes as late as it varies, early or late; arrivals together
     by e_p σ (:func:`straggler_s`). Ours, as :func:`straggler_s` is."""
     top = max(arrivals)

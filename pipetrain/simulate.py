@@ -25,7 +25,7 @@ data-parallel and CGDP predictions built on this engine live in :mod:`pipetrain.
 * ``S`` lasts until its sync has ended (its record includes the wait);
 * ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers).
 
-[Note: run set-up] A profile that carries a measured :class:`pipetrain.runsetup.Setup` (workers on one
+[Note: run set-up] A profile that carries a measured :class:`pipetrain.setup.Setup` (workers on one
 machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`:
 
 * compute (F, B, U; on ``pipedream`` the copy of a new weight version at a stage that stashes; in a
@@ -63,7 +63,7 @@ from typing import Literal
 from pipetrain import costs
 from pipetrain.costs import dp_sync_bytes
 from pipetrain.profiling import Profile
-from pipetrain.runsetup import Setup
+from pipetrain.setup import Setup
 from pipetrain.schedule import Schedule, validate
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
@@ -143,7 +143,7 @@ def link_terms(link: Link, setup: Setup | None, allreduce: Literal["ours", "back
     ring, ``"backend"``: the backend's ``all_reduce``) of one step of an allreduce of a gradient of
     ``nbytes``: with a measured set-up, its message (allreduce) latency more, at the slower of the
     link's and the measured transport's (allreduce's) seconds per byte (see [Note: run set-up] and
-    :meth:`pipetrain.runsetup.Setup.allreduce_terms`); ``idle``: our ring's as measured with nothing
+    :meth:`pipetrain.setup.Setup.allreduce_terms`); ``idle``: our ring's as measured with nothing
     else running, where it was."""
     if setup is None:
         return link.latency_s, 1 / link.bandwidth_Bps

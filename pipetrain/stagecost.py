@@ -84,7 +84,7 @@ def shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: i
     that slowdown.
 
     The slowdown is the set-up's training step at the share's rows
-    (:attr:`pipetrain.runsetup.Setup.step_s`, timed in the workers, all at once) over the forward +
+    (:attr:`pipetrain.setup.Setup.step_s`, timed in the workers, all at once) over the forward +
     backward of ``whole`` (the profile as one stage) split ``workers`` ways: a data-parallel worker's
     shard, a schedule's microbatches, or with 1 a worker that trains on whole minibatches (a one-stage
     pipeline's replicas). Without a step of those rows the profile is unchanged (slowdown 1 without a

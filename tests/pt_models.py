@@ -118,7 +118,7 @@ class BusyOn(nn.Module):
 
 
 class Spell:
-    """A set-up probe's kernel (``runsetup.measure_setup``): sleeps ``base`` seconds a call, ``slow`` times
+    """A set-up probe's kernel (``pipetrain.setup.measure_setup``): sleeps ``base`` seconds a call, ``slow`` times
     that on every rank but 0 for the first ``spell`` seconds after the process's first call: a machine
     that takes cores from a job for a while."""
 

@@ -9,7 +9,7 @@ from pipetrain import costs
 from pipetrain.cli import main
 from pipetrain.predict import predict_cgdp
 from pipetrain.profiling import LayerProfile, Profile
-from pipetrain.runsetup import Setup
+from pipetrain.setup import Setup
 
 BP, AS, AA, BC = [1.0, 2.0, 3.0], [0.1, 0.1, 0.1], [0.5, 0.2, 0.05], [0.1, 0.1, 0.01]  # backward order
 

@@ -24,8 +24,10 @@ from pipetrain.predict import predict_cgdp, predict_data_parallel
 from pipetrain.predict.pipeline import predict_plan
 from pipetrain.profiling import LayerProfile, Profile, as_minibatch, profile_model
 from pipetrain.registry import GPipe, build_schedule
-from pipetrain.runsetup import (COMPUTING_ROUNDS_SECONDS, SETTLE_EXCESS, STAGGER_S, Setup, _computing_rounds, _jitter,
-                                _staggered_calls, measure_setup, model_step)
+from pipetrain.setup import Setup, measure_setup, model_step
+from pipetrain.setup.collectives import STAGGER_S, staggered_calls
+from pipetrain.setup.compute import SETTLE_EXCESS, jitter_of_calls
+from pipetrain.setup.messages import COMPUTING_ROUNDS_SECONDS, computing_rounds
 from pipetrain.simulate import Link, simulate
 
 MS = 1e-3
@@ -213,9 +215,9 @@ def test_the_probe_leaves_the_training_steps_own_cpu_out_of_a_message_after_it()
     costs. Long steps get fewer round trips: at most COMPUTING_ROUNDS_SECONDS in all, at least 3."""
     measured = measure_setup(2, 1, _burn_20ms, seconds=0.05, rounds=3, compute_rounds=1, ring_cpu=False)
     assert 0 < measured.computing_message_cpu_s + 1e6 * measured.computing_message_cpu_s_per_byte < 5 * MS
-    assert _computing_rounds(1 * MS, 20) == 20
-    assert _computing_rounds(0.1, 20) == int(COMPUTING_ROUNDS_SECONDS / 0.2)
-    assert _computing_rounds(5.0, 20) == 3
+    assert computing_rounds(1 * MS, 20) == 20
+    assert computing_rounds(0.1, 20) == int(COMPUTING_ROUNDS_SECONDS / 0.2)
+    assert computing_rounds(5.0, 20) == 3
 
 
 def test_gradient_allreduces_are_priced_with_the_measured_allreduces_not_the_message_line():
@@ -554,12 +556,11 @@ def test_a_set_up_samples_compute_again_while_the_machine_takes_cores_and_keeps_
     for ``settle_s`` (every round is kept; a step is the mean of the calls, and rank 0 makes three for
     each of rank 1's: 7.5 ms in the spell)."""
     spell = measure_setup(2, 1, Spell(0.005, 3.0, 1.0), seconds=0.05, rounds=3, ring_bytes=40, settle_s=10.0)
-    assert spell.slowdown < SETTLE_EXCESS and spell.step_s < 0.007 and 0.3 < spell.resampled_s < 5
-    assert "compute re-sampled for" in spell.describe()
+    assert spell.slowdown < SETTLE_EXCESS and spell.step_s < 0.007
     stays = measure_setup(2, 1, Spell(0.005, 3.0, math.inf), seconds=0.05, rounds=3, ring_bytes=40, settle_s=1.0)
-    assert stays.slowdown == pytest.approx(2.0, rel=0.15) and stays.step_s > 0.0065 and stays.resampled_s >= 1.0
+    assert stays.slowdown == pytest.approx(2.0, rel=0.15) and stays.step_s > 0.0065
     steady = measure_setup(2, 1, Spell(0.005, 1.0, 0.0), seconds=0.05, rounds=3, ring_bytes=40)
-    assert steady.slowdown < 1.2 and steady.resampled_s == 0 and "re-sampled" not in steady.describe()
+    assert steady.slowdown < 1.2
 
 
 def test_the_last_of_several_workers_arrives_as_order_statistics_say():
@@ -605,8 +606,15 @@ def test_the_planner_stops_replicating_when_replicas_straggle():
 def test_the_probes_jitter_is_the_variance_of_every_workers_calls_per_second():
     """Calls of 1 and 3 ms on one worker, 2 and 2 ms on another: mean 2 ms, variance 0.5 ms², 0.25 ms per
     second of compute."""
-    assert _jitter([[1 * MS, 3 * MS], [2 * MS, 2 * MS]]) == pytest.approx(0.25 * MS)
-    assert _jitter([[2 * MS]]) == 0.0
+    assert jitter_of_calls([[1 * MS, 3 * MS], [2 * MS, 2 * MS]]) == pytest.approx(0.25 * MS)
+    assert jitter_of_calls([[2 * MS]]) == 0.0
+
+
+def test_a_setup_saved_with_a_key_no_longer_measured_loads_without_it():
+    """A profile saved by an older version may hold set-up keys that are no field any more."""
+    saved = two_layers(setup(jitter_s=1e-4)).to_dict()
+    saved["setup"]["resampled_s"] = 1.5
+    assert Profile.from_dict(json.loads(json.dumps(saved))).setup == setup(jitter_s=1e-4)
 
 
 def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with_messages():
@@ -685,7 +693,7 @@ def test_staggered_calls_time_the_call_alone_after_each_ranks_own_wait():
         def call() -> None:
             starts.append(time.perf_counter())
             time.sleep(0.001)
-        wall, cpu = _staggered_calls(call, rank, rounds=6)
+        wall, cpu = staggered_calls(call, rank, rounds=6)
         assert len(wall) == len(cpu) == 6 and len(starts) == 8
         assert min(wall) >= 0.001 and all(c < w for c, w in zip(cpu, wall))
         waits.append([b - a - w for a, b, w in zip(starts[2:], starts[3:], wall)])
@@ -707,7 +715,7 @@ def test_staggered_calls_run_the_work_before_each_call_untimed():
     def call() -> None:
         log.append("call")
         time.sleep(0.001)
-    wall, _ = _staggered_calls(call, 0, rounds=3, work=work)
+    wall, _ = staggered_calls(call, 0, rounds=3, work=work)
     assert log == ["work", "call"] * 5
     assert len(wall) == 3 and max(wall) < 0.008
 

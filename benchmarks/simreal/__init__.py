@@ -12,7 +12,7 @@ prediction would be wrong by construction, and the script does not try.)
    linear in the batch while the simulator divides a stage's minibatch time by the microbatch count,
    so microbatched schedules get the microbatch profile scaled up by exactly that count
    (:func:`pipetrain.profiling.as_minibatch`). Each profile carries the run set-up of its size
-   (:func:`pipetrain.runsetup.measure_setup` of two workers whose shared work is the model's training
+   (:func:`pipetrain.setup.measure_setup` of two workers whose shared work is the model's training
    step), as ``stages="auto"`` measures it. The optimizer step (SGD + ``zero_grad``) is timed per stage
    and printed beside the profile's. The stage cut is the one that balances the profile.
 2. Link (:mod:`simreal.link`): a ping-pong through the runtime's own ``Transport`` (gloo on loopback)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.runsetup import median_seconds
+from pipetrain.timing import median_seconds
 from pipetrain.trace import Record, seconds_by_kind, update_ends
 
 from simreal.workload import Config

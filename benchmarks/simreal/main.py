@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 from pipetrain.bench.load import LoadSampler, quietly
 from pipetrain.profiling import Profile, as_minibatch
 from pipetrain.registry import build_schedule
-from pipetrain.runsetup import Setup
+from pipetrain.setup import Setup
 
 from simreal import diagnose, predict, report
 from simreal.link import measure_link

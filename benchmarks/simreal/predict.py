@@ -33,7 +33,7 @@ from torch.utils.data import TensorDataset
 import pipetrain
 from pipetrain.profiling import LayerProfile, Profile, time_batching
 from pipetrain.registry import build_schedule, schedule_of
-from pipetrain.runsetup import Setup, measure_setup, model_step
+from pipetrain.setup import Setup, measure_setup, model_step
 from pipetrain.simulate import Link, simulate
 from pipetrain.trace import Record, deliveries, durations, step_rates
 
@@ -76,7 +76,7 @@ def profile_at(model: nn.Module, data: TensorDataset, batch: int, repeats: int) 
 
 def measured_setup(model: nn.Module, data: TensorDataset, batch: int, workers: int) -> Setup:
     """The run set-up of ``workers`` one-thread workers, one training step at ``batch`` as their shared work
-    (:func:`pipetrain.runsetup.measure_setup`, as ``stages="auto"`` measures it)."""
+    (:func:`pipetrain.setup.measure_setup`, as ``stages="auto"`` measures it)."""
     x, y = data.tensors[0][:batch], data.tensors[1][:batch]
     return measure_setup(workers, 1, model_step(model, (x, y), F.cross_entropy))
 

@@ -15,7 +15,8 @@ from pipetrain.bench.pipetrain_jobs import ring_cost
 from pipetrain.bench.systems import AUTO_SYSTEM, PIPE_SGD, SuiteConfig
 from pipetrain.planning.choose import CANDIDATES, Choice, choose_strategy
 from pipetrain.profiling import Profile, profile_model, time_batching
-from pipetrain.runsetup import Launcher, measure_setup, model_step, torch_threads
+from pipetrain.setup import Launcher, measure_setup, model_step
+from pipetrain.timing import torch_threads
 from pipetrain.predict import predict_data_parallel
 from pipetrain.simulate import Link
 from pipetrain.strategies.kinds import DDP, PipeSGD
@@ -35,7 +36,7 @@ def choose_auto(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: 
     """What ``strategy="auto"`` picks for this run, from the inputs it has when it starts: the model
     profiled here on the first minibatch (the workers' thread count and SGD), building that minibatch
     from the dataset timed (:func:`pipetrain.profiling.time_batching`), the run set-up measured on
-    the same hosts (:func:`pipetrain.runsetup.measure_setup`, one training step of a worker's shard as
+    the same hosts (:func:`pipetrain.setup.measure_setup`, one training step of a worker's shard as
     the shared work) and the link at its measured rate (one machine on loopback). Every candidate a run
     system measures is predicted, codecs included (``allow_compression``)."""
     profile = profile_here(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))

@@ -10,7 +10,7 @@ from torch import nn
 
 from pipetrain.bench.measure import PeerConfig
 from pipetrain.layers import LayeredModel
-from pipetrain.runsetup import median_seconds, torch_threads
+from pipetrain.timing import median_seconds, torch_threads
 
 
 class Splat(nn.Module):

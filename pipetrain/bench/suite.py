@@ -35,7 +35,7 @@ from pipetrain.bench.systems import MICROBATCHED, PIPE_SGD, SuiteConfig, microba
 from pipetrain.bench.torch_peers import ddp, ps_sync, torch_pipeline
 from pipetrain.errors import first_line
 from pipetrain.planning import Plan, plan
-from pipetrain.runsetup import Launcher
+from pipetrain.setup import Launcher
 from pipetrain.runtime.launch import keep_freed_memory, spawn
 
 

@@ -19,7 +19,8 @@ from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, Auto, Strategy, as_strategy, make, schedule_of
-from pipetrain.runsetup import measure_setup, model_step, torch_threads
+from pipetrain.setup import measure_setup, model_step
+from pipetrain.timing import torch_threads
 from pipetrain.batches import collate_parts
 from pipetrain.simulate import Link, simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace

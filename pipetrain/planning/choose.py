@@ -4,7 +4,7 @@ Each candidate is priced by the model of its own paper, all run through the one 
 PipeDream plan (§3.2) run by the ``pipedream`` schedule, DDP as synchronous SGD (Pipe-SGD eq. 2),
 Pipe-SGD with K = 2 and each codec (eq. 4-5), and, on one machine, CGDP at its best chunk (eq. 1-2).
 A pipeline plan that puts the whole model on every worker is data parallelism: it competes as such
-(``ddp``), not as a pipeline. The profile's measured set-up (:class:`pipetrain.runsetup.Setup`), when it
+(``ddp``), not as a pipeline. The profile's measured set-up (:class:`pipetrain.setup.Setup`), when it
 has one, prices what the workers of this machine cost each other.
 """
 from __future__ import annotations

@@ -43,7 +43,7 @@ from pipetrain.costs import (
 from pipetrain.planning.result import Plan, StagePlan
 from pipetrain.planning.units import format_bytes, parse_bandwidth, parse_bytes
 from pipetrain.profiling import Profile
-from pipetrain.runsetup import Setup
+from pipetrain.setup import Setup
 from pipetrain.schedule.generators import noam
 
 INF = float("inf")

@@ -11,8 +11,8 @@ from pipetrain.profiling import Profile
 from pipetrain.schedule.generators import data_parallel
 from pipetrain.simulate import Link, SimResult, simulate
 from pipetrain.stagecost import shard_backward_s, shard_priced, stage_costs
-from pipetrain.runsetup import torch_threads
-from pipetrain.strategies.cgdp import measure_host_costs
+from pipetrain.timing import torch_threads
+from pipetrain.strategies import cgdp as cgdp_sums
 from pipetrain.strategies.chunks import chunk_layout
 
 
@@ -149,7 +149,7 @@ def host_costs(profile: Profile, workers: int, given: dict[str, float] | None = 
     found = dict(given or {})
     if "copy_s_per_byte" not in found or "sum_s_per_byte" not in found:
         with torch_threads(None if profile.setup is None else profile.setup.threads):
-            found.update(measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), workers))
+            found.update(cgdp_sums.measure_host_costs(min(profile.parameter_bytes // 4, 1 << 24), workers))
     if "signal_s" not in found:
         found["signal_s"] = 0.0 if profile.setup is None else float(costs.ring_allreduce_time(
             workers, 4.0, *profile.setup.allreduce_terms(ours=False), 0.0))

@@ -14,7 +14,8 @@ import torch
 
 from pipetrain import costs
 from pipetrain.profiling import Profile
-from pipetrain.runsetup import Setup, torch_threads
+from pipetrain.setup import Setup
+from pipetrain.timing import torch_threads
 from pipetrain.schedule.generators import data_parallel
 from pipetrain.simulate import Link, SimResult, link_terms, simulate
 from pipetrain.stagecost import StageCost, shard_backward_s, shard_priced, stage_costs
@@ -92,7 +93,7 @@ def predict_data_parallel(profile: Profile, workers: int, link: Link, batch_size
             (as DDP runs it). With a measured set-up it is priced with our ring's measured terms
             (busy and idle), the update copies the gradient out of ``.grad``, the ring's thread divides
             the sum into the mean, and where workers share cores and K >= 2 the set-up's timing of
-            this loop (:meth:`~pipetrain.runsetup.Setup.period`) stands for an iteration.
+            this loop (:meth:`~pipetrain.setup.Setup.period`) stands for an iteration.
         buckets_in_backward: the gradient is allreduced in buckets
             (:data:`pipetrain.strategies.ddp.BUCKET_BYTES`) as the backward makes them, as DDP does: a
             worker waits after its backward only for what those allreduces did not finish (``comm_s``
@@ -106,10 +107,10 @@ def predict_data_parallel(profile: Profile, workers: int, link: Link, batch_size
             worker has: with fewer than 2 and K >= 2, the compute side carries that CPU too
             (:func:`pipetrain.costs.shared_core_compute_s`; the simulator charges it to ``U``). Default:
             from the profile's measured set-up (our ring's CPU alone with the codec at this gradient,
-            :meth:`~pipetrain.runsetup.Setup.codec_ring_cpu`, where measured, else the plain ring's,
-            :meth:`~pipetrain.runsetup.Setup.ring_cpu`, and the codec's arithmetic beyond its adds;
+            :meth:`~pipetrain.setup.Setup.codec_ring_cpu`, where measured, else the plain ring's,
+            :meth:`~pipetrain.setup.Setup.ring_cpu`, and the codec's arithmetic beyond its adds;
             then the mean), else 0 and unlimited. Where the set-up timed our own ring's loop at this
-            gradient, codec and workers (workers sharing cores: :meth:`~pipetrain.runsetup.Setup.period`)
+            gradient, codec and workers (workers sharing cores: :meth:`~pipetrain.setup.Setup.period`)
             and K >= 2, neither given, an iteration is that loop's time, the update and the mean added
             (:func:`pipetrain.costs.shared_core_period_s`), as ``comm_s``, and no CPU is charged apart.
         minibatches: how many the simulator runs (its rate is taken between the first and last update).
@@ -204,7 +205,7 @@ def _priced_ring_cpu_s(setup: Setup, codec: Codec, workers: int, gradient_bytes:
                        arithmetic_s: float) -> float:
     """CPU seconds one rank spends in our ring allreduce of ``gradient_bytes`` over ``workers`` with
     ``codec`` (``payload`` bytes of blocks in all): as the set-up measured that ring, where it did
-    (:meth:`~pipetrain.runsetup.Setup.codec_ring_cpu`), else the plain ring's CPU at the payload's
+    (:meth:`~pipetrain.setup.Setup.codec_ring_cpu`), else the plain ring's CPU at the payload's
     blocks and ``arithmetic_s`` (the codec's work beyond what that holds)."""
     measured = setup.codec_ring_cpu(codec.name, workers, gradient_bytes) if codec.lossy else None
     return measured if measured is not None else setup.ring_cpu(workers, payload / workers) + arithmetic_s

@@ -5,7 +5,7 @@ backward seconds, the bytes of every tensor crossing the cut after layer k (what
 send to the next stage, and receive back as gradients), the layer's parameter bytes and the seconds of
 an optimizer step on them (0 when not measured). A profile taken with a dataset also holds the seconds
 a worker takes to build a minibatch's inputs and its targets from it (0 when not measured). A profile
-may also carry the run set-up it was taken for (:class:`pipetrain.runsetup.Setup`: per-message cost,
+may also carry the run set-up it was taken for (:class:`pipetrain.setup.Setup`: per-message cost,
 how workers sharing cores slow each other).
 
 JSON form (``version`` 1)::
@@ -15,7 +15,7 @@ JSON form (``version`` 1)::
      "layers": [{"name": "0", "forward_s": 0.001, "backward_s": 0.002,
                  "activation_bytes": 4096, "parameter_bytes": 1024, "optimizer_s": 0.0001}, ...],
      "inputs_s": 0.0002, "targets_s": 0.0001, "both_s": 0.00025,   (optional)
-     "setup": {...}}   (optional; see pipetrain.runsetup.Setup)
+     "setup": {...}}   (optional; see pipetrain.setup.Setup)
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from pipetrain.jsonfile import check_header, parse_json, read_field, read_text
 from pipetrain.profiling.graph import GraphError, read_graph
-from pipetrain.runsetup import Setup
+from pipetrain.setup import Setup
 
 FORMAT, VERSION = "pipetrain-profile", 1
 

@@ -27,7 +27,7 @@ from pipetrain.layers import LayeredModel, flatten, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
 from pipetrain.runtime.transport import Message
 from pipetrain.batches import collate_parts, epoch_order, microbatch, per_epoch, to_device
-from pipetrain.runsetup import torch_threads
+from pipetrain.timing import torch_threads
 from pipetrain.schedule import Schedule
 from pipetrain.schedule.actions import FORWARD, SYNC, UPDATE
 from pipetrain.strategies.base import GradSync

@@ -45,6 +45,7 @@ from torch import nn
 from pipetrain.layers import LayeredModel, LayerError
 from pipetrain.strategies.base import GradSync, Mailbox, SyncContext, Weights
 from pipetrain.strategies.chunks import ChunkSearch, chunk_layout
+from pipetrain.timing import median_seconds
 
 HOST_MEMORY = Path("/dev/shm")
 """Where the machine's workers share their gradients (a RAM file system on Linux)."""
@@ -384,8 +385,6 @@ def measure_host_costs(elements: int, local: int, dtype: torch.dtype = torch.flo
 
     Both run on the worker's summing thread: with the two signals, they are a chunk's t_aa.
     """
-    from pipetrain.runsetup import median_seconds
-
     n = max(local, elements)
     slots = torch.rand(local, n, dtype=dtype)
     grad, out = torch.rand(n, dtype=dtype), torch.empty(-(-n // local), dtype=dtype)
