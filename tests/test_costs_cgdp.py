@@ -87,4 +87,4 @@ def test_cli_simulate_cgdp_json(tmp_path, capsys: pytest.CaptureFixture[str]) ->
     assert out["strategy"] == "cgdp" and out["chunk"] == 3 and len(out["chunks"]) == 1  # 3 > 2 layers: one chunk
     assert out["overhead_s"] >= 0 and out["iteration_s"] > 0 and out["copy_s_per_byte"] > 0
     assert main(["simulate", str(path), "--strategy", "cgdp", "--workers", "2", "--chunk", "0"]) == 1
-    assert "--chunk 0" in capsys.readouterr().err
+    assert "chunk=0: give the layers per chunk" in capsys.readouterr().err

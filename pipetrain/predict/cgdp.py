@@ -33,6 +33,8 @@ class CGDPPrediction:
         wins: §3.2's condition for CGDP to beat data parallelism.
         chunks: per chunk in backward order: ``layers`` (profile layer indices), ``bytes``, and its
             ``bp_s``, ``as_s``, ``aa_s``, ``bc_s`` and ``done_s`` (T_BP^i).
+        chunk: layers per chunk.
+        copy_s_per_byte, sum_s_per_byte, signal_s: the host costs it was priced with.
         sim: the simulator's result.
     """
 
@@ -45,6 +47,10 @@ class CGDPPrediction:
     dp_overhead_s: float
     wins: bool
     chunks: list[dict[str, object]]
+    chunk: int
+    copy_s_per_byte: float
+    sum_s_per_byte: float
+    signal_s: float
     sim: SimResult = field(repr=False)
 
     def to_dict(self) -> dict[str, object]:
@@ -137,7 +143,8 @@ def predict_cgdp(profile: Profile, workers: int, chunk: int, batch_size: int | N
         backward_s=backward, plain_backward_s=sum(bp) + tail_s, overhead_s=overhead,
         overhead_eq2_s=costs.cgdp_overhead_eq2(sync, aa, bc) if rows else 0.0,
         dp_overhead_s=costs.dp_overhead_s(aa, bc), wins=costs.cgdp_wins(sync, aa, bc) if rows else False,
-        chunks=rows, sim=sim)
+        chunks=rows, chunk=chunk, copy_s_per_byte=copy_s_per_byte, sum_s_per_byte=sum_s_per_byte,
+        signal_s=signal_s, sim=sim)
 
 
 def host_costs(profile: Profile, workers: int, given: dict[str, float] | None = None) -> dict[str, float]:
