@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from pipetrain.batches import collate_parts, per_epoch
 from pipetrain.config import Training
 from pipetrain.errors import one_line
@@ -47,8 +49,6 @@ def on_rank0(work: Callable[[], dict[str, Any]], timeout: float) -> dict[str, An
     """``work()`` here; under torchrun on rank 0 only, the others taking its result (plain data)."""
     if not under_torchrun():
         return work()
-    import torch.distributed as dist
-
     init_distributed(timeout)
     box: list[Any] = [work() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

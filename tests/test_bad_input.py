@@ -129,7 +129,7 @@ API_CASES = [
     ("optimizer not callable", lambda t, m: train(optimizer="sgd"), r"optimizer='sgd' is not callable"),
     ("loss not callable", lambda t, m: train(loss_fn="mse"), r"loss_fn='mse' is not callable"),
     ("model not a module", lambda t, m: train(model="mlp"), r"model is a str, not a torch.nn.Module"),
-    ("zero epochs", lambda t, m: train(epochs=0), r"batch_size, microbatches and epochs must be >= 1"),
+    ("zero epochs", lambda t, m: train(epochs=0), r"batch_size and epochs must be integers >= 1"),
     ("batch larger than the dataset", lambda t, m: train(batch_size=64), r"the dataset has 32 items, fewer than"),
     ("unwritable checkpoint dir", lambda t, m: train(checkpoint_dir=Path(__file__) / "ckpt"),
      r"checkpoint_dir '.*test_bad_input\.py/ckpt' is not usable \(Not a directory\)"),

@@ -174,13 +174,14 @@ def test_the_chunk_search_hears_every_iteration_when_the_last_chunk_comes_back_i
     still reach the search (once lost, workers fell out of step on the chunk size and hung). Forced
     here by making every hook wait for the sums it looks at."""
     import torch.distributed as dist
+    from pipetrain.layout import Layout
     from pipetrain.strategies.base import SyncContext
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         net = model()
-        sync = cgdp_module.cgdp(SyncContext(rank=0, replicas=(1,), device=torch.device("cpu"), timeout=20), "auto")
+        sync = cgdp_module.cgdp(SyncContext(rank=0, layout=Layout.data_parallel_on(1), device=torch.device("cpu"), timeout=20), "auto")
         sync.wrap(net)
         real_ready = sync._done.ready
 

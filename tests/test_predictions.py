@@ -23,7 +23,7 @@ from pipetrain.jsonfile import read_field
 from pipetrain.predict import predict_cgdp, predict_data_parallel
 from pipetrain.predict.pipeline import predict_plan
 from pipetrain.profiling import LayerProfile, Profile, as_minibatch, profile_model
-from pipetrain.registry import GPipe, build_schedule
+from pipetrain.registry import GPipe, PipeDream, build_schedule
 from pipetrain.setup import Setup, measure_setup, model_step
 from pipetrain.setup.collectives import STAGGER_S, staggered_calls
 from pipetrain.setup.compute import SETTLE_EXCESS, jitter_of_calls
@@ -798,16 +798,20 @@ def test_one_stage_on_every_worker_is_priced_as_the_partitioner_prices_a_stage()
 def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(monkeypatch):
     """The partitioner's plan, here forced to two stages with 2 x 40 kB crossing a link of 10 ms per
     message, against both layers on both workers: simulated, one stage is faster and is taken."""
-    import pipetrain.api as api
+    import pipetrain.auto as auto
+    from pipetrain.config import Training
 
     layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 40_000, 100) for i in range(2)]
     slow_link = setup(cores=8, slowdown=1.0, latency_s=10 * MS, allreduce_latency_s=0.1 * MS, ring_s_per_byte=1e-9)
     profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=slow_link)
     asked: list[dict] = []
-    monkeypatch.setattr(api, "_measured_profile", lambda *args, **kwargs: asked.append(kwargs) or profile)
-    monkeypatch.setattr(api, "plan", lambda p, w, b, straight=False, one_stage=False:
+    monkeypatch.setattr(auto, "measured_profile", lambda *args, **kwargs: asked.append(kwargs) or profile)
+    monkeypatch.setattr(auto, "plan", lambda p, w, b, straight=False, one_stage=False:
                         plan(p, w, b, straight=not one_stage, one_stage=one_stage))
-    found = api._plan_here(nn.Linear(1, 1), list(range(64)), None, None, 8, 2, "1Gbit", "pipedream", 1, 1)
+    data = TensorDataset(torch.zeros(64, 1), torch.zeros(64, 1))
+    training = Training(model=nn.Linear(1, 1), dataset=data, loss_fn=nn.functional.mse_loss,
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=8)
+    found = auto._plan_here(training, PipeDream(), 2, "1Gbit", 1)
     chosen = Plan.from_dict(found["plan"])
     simulated = chosen.options["simulated_samples_per_s"]
     assert chosen.config == "2" and set(simulated) == {"1-1", "2"}
@@ -901,10 +905,10 @@ def test_auto_refuses_what_it_would_choose_and_unknown_names():
     with pytest.raises(ValueError, match="chooses stages itself"):
         pipetrain.train(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=nn.functional.cross_entropy,
                         optimizer=functools.partial(torch.optim.SGD, lr=0.1), strategy="auto", workers=2,
-                        stages=[0])
+                        stages=[0], batch_size=8)
     with pytest.raises(ValueError, match="needs workers"):
         pipetrain.train(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=nn.functional.cross_entropy,
-                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), strategy="auto")
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), strategy="auto", batch_size=8)
 
 
 def test_train_auto_measures_chooses_and_trains_the_choice(capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pipetrain
-from pipetrain.api import training_rate
+from pipetrain.result import training_rate
 from pipetrain.data import regression
 from pipetrain.planning import Plan, StagePlan
 from pt_models import mlp

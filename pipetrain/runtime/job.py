@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from pipetrain.batches import epoch_order, per_epoch, to_device
 from pipetrain.config import JobConfig
@@ -110,8 +112,7 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
 def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     t, layout = cfg.training, cfg.layout
     transport = Transport(rank, layout.edges(), layout.name, device, cfg.run.timeout)
-    sync = cfg.strategy.synchronizer(SyncContext(rank, layout.replicas, device, cfg.run.timeout,
-                                                 layout.stage_of(rank)))
+    sync = cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
     worker, stage = build_worker(cfg, rank, device, transport, sync, start)
     optimizer, policy = worker.optimizer, worker.policy
     first = start.first_epoch
@@ -240,9 +241,6 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 def _progress(cfg: JobConfig, rank: int, total: int) -> Any:
     if not cfg.run.progress or rank != (0 if cfg.data_parallel else cfg.world - 1):
         return None
-    import threading
-
-    from tqdm import tqdm
     tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks on a hard exit
     return tqdm(total=total, desc="pipetrain", unit="batch", dynamic_ncols=True)
 

@@ -107,7 +107,7 @@ def replica_groups(ctx: SyncContext) -> GradSync | None:
 
     Every rank makes every replicated stage's group, in stage order, as ``new_group`` requires.
     """
-    firsts = [sum(ctx.replicas[:s]) for s in range(len(ctx.replicas))]
-    groups = {s: dist.new_group(list(range(firsts[s], firsts[s] + r)))
-              for s, r in enumerate(ctx.replicas) if r > 1}
-    return ReplicaAllreduce(groups[ctx.stage], ctx.replicas[ctx.stage]) if ctx.stage in groups else None
+    layout = ctx.layout
+    groups = {s: dist.new_group(list(range(layout.first_rank(s), layout.first_rank(s) + r)))
+              for s, r in enumerate(layout.replicas) if r > 1}
+    return ReplicaAllreduce(groups[ctx.stage], layout.replicas[ctx.stage]) if ctx.stage in groups else None

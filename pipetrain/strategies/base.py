@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import one_line
+from pipetrain.layout import Layout
 
 Weights = dict[str, torch.Tensor]
 
@@ -27,17 +28,20 @@ class SyncContext:
 
     Attributes:
         rank: this worker's global rank.
-        replicas: workers per stage; data parallelism is one stage on every worker.
+        layout: the workers of each stage; data parallelism is one stage on every worker.
         device: where gradients live.
         timeout: seconds to wait for a sync before declaring a peer silent.
-        stage: this worker's stage.
     """
 
     rank: int
-    replicas: tuple[int, ...]
+    layout: Layout
     device: torch.device
     timeout: float
-    stage: int = 0
+
+    @property
+    def stage(self) -> int:
+        """This worker's stage."""
+        return self.layout.stage_of(self.rank)
 
 
 class GradSync:

@@ -358,7 +358,7 @@ def cgdp(ctx: SyncContext, chunk: int | str) -> GradSync:
     Raises:
         ValueError: the world size is not a multiple of the workers per machine.
     """
-    world = ctx.replicas[0]
+    world = ctx.layout.world
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % local:
         raise ValueError(f"cgdp needs the same number of workers on every machine; {world} workers in all "

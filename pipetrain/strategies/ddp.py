@@ -56,4 +56,4 @@ class DDPSync(GradSync):
 
 def ddp(ctx: SyncContext) -> GradSync:
     """The ``ddp`` strategy's synchronizer."""
-    return DDPSync(ctx.replicas[0], ctx)
+    return DDPSync(ctx.layout.world, ctx)

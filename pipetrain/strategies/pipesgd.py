@@ -157,6 +157,6 @@ def _trainable(weights: Weights) -> list[torch.Tensor]:
 def pipe_sgd(ctx: SyncContext, compression: str | None) -> GradSync:
     """The ``pipe-sgd`` strategy's synchronizer: a ring over all workers on a group of its own, with the
     codec ``compression`` inside."""
-    workers = ctx.replicas[0]
+    workers = ctx.layout.world
     group = dist.new_group(list(range(workers)), timeout=timedelta(seconds=ctx.timeout))
     return RingSync(group, workers, get_codec(compression), ctx.device, ctx.timeout)

@@ -22,6 +22,8 @@ so chunking changes no value.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -193,9 +195,6 @@ def ring_compute_seconds(codec: Codec, elements: int, workers: int, dtype: torch
     reduced last, then the p-1 the all-gather brings). The median of ``repeats``; the γ of Pipe-SGD's
     ring model (:func:`pipetrain.costs.ring_allreduce_time`).
     """
-    import statistics
-    import time
-
     if workers < 2:
         return 0.0
     b = block_size(elements, workers, codec.granule)
