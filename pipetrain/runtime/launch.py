@@ -282,7 +282,7 @@ def _stuck(message: str, kind: str, rank: int, workdir: str, procs: list,
     files = [Path(workdir) / f"stacks{r}.txt" for r, _ in running]
     deadline = time.monotonic() + STACKS_WAIT_S
     # faulthandler writes a stack a line at a time: read once every file is non-empty and has stopped
-    # growing (read as soon as it was non-empty, a loaded machine gave a stack cut before its frames)
+    # growing (on a loaded machine, a file read as soon as it is non-empty may hold a stack cut short)
     sizes: list[int] = []
     while time.monotonic() < deadline:
         now = [f.stat().st_size if f.exists() else 0 for f in files]
