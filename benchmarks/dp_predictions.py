@@ -20,9 +20,9 @@ prediction is sampled as often as the run. ``pairs`` counts the rounds whose own
 standard deviation of 11-14% per strategy (``predictions`` and ``runs`` in the ``--json`` of this
 script), so the median of three rounds still moves too much between runs to tell 15% apart.
 
-The CGDP chunk search is left out on purpose: it tries chunk sizes on timings that vary by +-25% here,
-so where it lands is a property of the search, not of the cost model (``benchmarks/cgdp_chunks.py``
-measures it).
+The CGDP chunk search is left out on purpose: it tries chunk sizes on timings that vary by +-25% on a
+shared machine, so where it lands is a property of the search, not of the cost model
+(``benchmarks/cgdp_chunks.py`` measures it).
 """
 from __future__ import annotations
 

@@ -248,7 +248,7 @@ def time_to(run: Run, target: float) -> float | None:
 
 
 # -- load on the machine -------------------------------------------------------------------------
-# Other engineers' processes share the 2 cores, outside the benchmark lock; see [Note: foreign load]
+# Other processes may share the machine's cores outside the benchmark lock; see [Note: foreign load]
 # in pipetrain/bench/load.py. Before each run the script waits (up to --wait-quiet seconds) for them
 # to go below QUIET_CORES, and a run during which they used more is repeated (up to --attempts),
 # keeping the quietest.
@@ -429,9 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         (None if args.quick else Path("docs/time_to_accuracy.png"))
 
     train_set, test_set = data.digits("train"), data.digits("test")
-    # [Note: warm parent] the first optimizer a process builds imports torch._dynamo (~1.5 s here).
-    # Every worker process pays that as part of its start-up; the sequential baseline runs in this
-    # already-running process, as in a user's script that has built an optimizer before, so pay it now.
+    # [Note: warm parent] the first optimizer a process builds imports torch._dynamo (seconds on a CPU).
+    # Worker processes (ddp's too) fork from a server that has imported it; the sequential baseline runs in this
+    # process, so it pays the import now, as a user's script that has built an optimizer before has.
     torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
     t_all = time.perf_counter()
     print(f"# time to accuracy: {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -1,8 +1,8 @@
 """Write docs/communication.md: bytes each worker sends per minibatch, pipeline vs data-parallel BSP.
 
 Usage: ``python docs/communication.py [PROFILE_DIR]``. Each model's ``<model>.graph.txt`` is taken from
-PROFILE_DIR, else from the profiles the package ships (``pipetrain/data/pipedream``), else from the full
-set in ``/work/shared/profiles/pipedream``; models found nowhere are left out. Takes a few seconds.
+PROFILE_DIR (e.g. PipeDream's full set of published profiles), else from the profiles the package ships
+(``pipetrain/data/pipedream``); models found in neither are left out. Takes a few seconds.
 
 Counting (one convention for both columns, see the notes written into the table):
 * data-parallel BSP with M workers, ring allreduce: each worker sends 2 (M - 1) |w| / M bytes per
@@ -29,8 +29,7 @@ WORKERS, BANDWIDTH = (4, 8), "10Gbit"
 
 
 def find_profile(model: str) -> Path | None:
-    dirs = [Path(d) for d in sys.argv[1:2]] + [ROOT / "pipetrain" / "data" / "pipedream",
-                                               Path("/work/shared/profiles/pipedream")]
+    dirs = [Path(d) for d in sys.argv[1:2]] + [ROOT / "pipetrain" / "data" / "pipedream"]
     return next((d / f"{model}.graph.txt" for d in dirs if (d / f"{model}.graph.txt").is_file()), None)
 
 
@@ -68,7 +67,8 @@ def rows() -> tuple[list[str], list[Path]]:
 def main() -> None:
     lines, used = rows()
     table = "\n".join(lines)
-    sources = "\n".join(f"- `{p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}`" for p in used)
+    sources = "\n".join(f"- `{p.relative_to(ROOT)}`" if p.is_relative_to(ROOT) else f"- `PROFILE_DIR/{p.name}`"
+                        for p in used)
     text = f"""# Communication per worker: pipeline vs data-parallel BSP
 
 Bytes each worker **sends** per minibatch it processes (it receives as many), at the batch size
@@ -89,7 +89,8 @@ pipelines (`straight=True`) where those differ.
 |---|---|---|---|---|---|---|
 {table}
 
-Made by `python docs/communication.py` from PipeDream's published profiles (MIT licence):
+Made by `python docs/communication.py [PROFILE_DIR]` from PipeDream's published profiles (MIT licence;
+the package ships four, PROFILE_DIR holds the others):
 
 {sources}
 """

@@ -1,4 +1,9 @@
-"""pipetrain: pipeline-parallel (PipeDream), CPU-GPU data-parallel and Pipe-SGD training."""
+"""pipetrain: pipeline-parallel (PipeDream), CPU-GPU data-parallel and Pipe-SGD training.
+
+This module is the public API, kept narrow (``__all__``): :func:`train` and what it returns, the
+strategy and schedule classes it takes, and the profile -> plan -> simulate tools that
+``stages="auto"`` and ``strategy="auto"`` are built from. The rest of the package is internal.
+"""
 from pipetrain.api import train
 from pipetrain.errors import PipetrainError, PipetrainWarning
 from pipetrain.layers import LayerError, LayeredModel

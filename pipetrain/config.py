@@ -140,11 +140,12 @@ class JobConfig:
     Attributes:
         training: what is trained.
         run: how the job runs.
-        strategy: a data-parallel strategy, or :class:`~pipetrain.registry.Pipeline`.
+        strategy: a data-parallel strategy, or :class:`~pipetrain.strategies.kinds.Pipeline`.
         schedule: the pipeline's schedule; None for data parallelism.
         layout: the workers of each stage (one stage, sharded, for data parallelism).
         layers: the model cut into layers, where the caller has it (a pipeline's stages are checked
-            against it; made here when not given). Not kept.
+            against it; made here when not given). An init-only argument: the configuration does not
+            hold it, as every worker cuts its own copy of the model.
     """
 
     training: Training

@@ -189,14 +189,10 @@ def shared_core_compute_s(update_s: Num, compute_s: Num, comm_cpu_s: Num, cores_
     divisor's inverse and the slowdown: below); with 2 or more cores it overlaps and adds nothing.
     ``comm_cpu_s`` is CPU seconds: where workers outnumber the cores, every core is busy with their
     compute and the machine spreads that work over all of them, so each CPU second of it costs a worker
-    1 / cores_per_worker seconds. Pipe-SGD with 3 workers of a small Transformer LM on 2 cores
-    kept them 98% busy: each worker's threads used 45-46 ms of CPU per iteration (11.5 of them its
-    ring's), and an iteration took 68-71 ms, 3/2 of that. Where the machine shares its cores less well
-    than that, a CPU second costs what a second of compute does: the measured ``slowdown`` of all the
-    workers computing at once, when it exceeds 1 / cores_per_worker. mnist-mlp's 4 workers on 2 cores
-    computed 2.3-2.7x slower, and its pipe-sgd iterations, bound by the cores, took 26 ms where 2 per
-    CPU second priced 21-23. Where the set-up timed Pipe-SGD's loop itself, that is priced instead
-    (:func:`shared_core_period_s`).
+    1 / cores_per_worker seconds. Where the machine shares its cores less well than that, a CPU second
+    costs what a second of compute does: the measured ``slowdown`` of all the workers computing at
+    once, when it exceeds 1 / cores_per_worker. Where the set-up timed Pipe-SGD's loop itself, that is
+    priced instead (:func:`shared_core_period_s`): it holds how the ring and the compute slow each other.
     """
     if cores_per_worker >= 2:
         return update_s + compute_s
@@ -318,9 +314,9 @@ def overlapped_ring_s(idle_s: float, busy_s: float, computing_s: float) -> float
     the two the set-up measures, ``idle_s`` (nothing else running) and ``busy_s`` (a thread of every
     worker computing throughout): it moves at the busy rate while they compute and at the idle rate
     after, so ``idle + min(c, busy) (1 - idle / busy)``; ``busy_s`` when the compute lasts the whole
-    ring or no idle figure was measured (0). Ours: the paper prices the ring by the link alone. On 4
-    emulated hosts at 1 Gbit/s, mnist-mlp's 2.59 MB ring took 33-35 ms idle and 53-63 ms busy; its
-    pipe-sgd, computing about 5 ms of each, ran it in 35.7 ms."""
+    ring or no idle figure was measured (0). Ours: the paper prices the ring by the link alone, but a
+    ring whose workers compute beside it waits for cores at every step, so it runs at the busy rate
+    only for as long as they compute."""
     if idle_s <= 0 or idle_s >= busy_s:
         return busy_s
     return idle_s + min(max(computing_s, 0.0), busy_s) * (1.0 - idle_s / busy_s)
@@ -337,10 +333,9 @@ def overlap_slowdown(slowdown: float, others: float) -> float:
     machine's other workers compute too, where every worker's threads have cores of their own: between
     1 (it computes alone) and the measured ``slowdown`` of all of them computing at once (shared caches,
     memory bandwidth, the VM's cores), linearly: ``1 + (slowdown - 1) others`` (ours; the papers give
-    every worker a device of its own). In sim_vs_real's model-parallel runs (2 workers, 2 cores: one
-    computes while the other waits) each stage's forward and backward took what they took replayed alone
-    (F 32.6 and 32.8 ms, B 58.9 and 57.5) while the set-up read 1.13 and priced them 13% slower; in its
-    pipedream runs, both computing throughout, they took 1.04-1.20x their replays."""
+    every worker a device of its own). So a pipeline's bubbles leave a stage the machine to itself: a
+    ``model-parallel`` stage, which computes while the others wait, runs at its speed alone
+    (``python benchmarks/sim_vs_real.py`` sets each stage's replay alone beside the real runs)."""
     return 1.0 + (slowdown - 1.0) * min(max(others, 0.0), 1.0)
 
 
@@ -360,8 +355,8 @@ def straggler_s(work_s: Num, jitter_s: float, workers: Num) -> Num:
     ``e_p sqrt(jitter_s work_s)``, e_p the expected maximum of p standard normals (0 for one worker).
 
     Ours: the papers' workers each have a device of their own and arrive together. Workers that share
-    cores do not: on 2 cores, four replicas of the demo's model computed 10.3 ms per step ± 2.8 ms, and
-    each waited 3.7 ms on average for the last one before their allreduce could finish.
+    cores do not: time slicing makes each one's step take a different time, and a synchronization waits
+    for the last of them (the set-up measures how much a step varies: ``jitter_s``).
     """
     return np.vectorize(_expected_max_normal, otypes=[float])(workers) * np.sqrt(jitter_s * work_s)
 

@@ -1,4 +1,8 @@
-"""What a run gives back: the trained model gathered from the workers, its history and its speed."""
+"""What a run gives back: the trained model gathered from the workers, its history and its speed.
+
+Every rank returns its part as plain data (state tensors, records); :func:`gather` puts them together
+once, in the caller, so the launcher never needs to know which strategy ran.
+"""
 from __future__ import annotations
 
 import copy

@@ -29,8 +29,9 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
     """One rank of a ``pipetrain.train`` job, timed from the job's own history.
 
     The job trains one epoch of ``max(1, warmup) + windows * steps_per_window + 1`` minibatches (whole
-    rounds of a replicated plan's), in order, on the same synthetic data and SGD as the peers. [Note: timing pipetrain from its history]
-    ``train`` returns only after gathering the trained model to every rank (the whole model crosses the
+    rounds of a replicated plan's), in order, on the same synthetic data and SGD as the peers.
+
+    [Note: timing pipetrain from its history] ``train`` returns only after gathering the trained model to every rank (the whole model crosses the
     network once more), so a timer around the call would count that. Instead the windows are cut from
     ``result.history``, where ``time`` is when the output stage finished each optimizer step: window k
     runs from the end of step ``warmup + k * steps_per_window - 1`` to the end of its last step. The
@@ -40,10 +41,11 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
         cfg: model, batch size, windows, threads; ``warmup`` counts minibatches (at least 1, whose
             end starts the first window).
         runner: the system's name in the report.
-        options: ``pipetrain.train``'s options for this system (the world size is ``workers``): a
-            pipeline's ``schedule``, ``stages`` (first layers, or ``"auto"``: profile on rank 0 and
-            plan for the world size at ``bandwidth``, e.g. ``"1gbit"``), ``microbatches``; or a
-            data-parallel ``strategy`` with its ``staleness`` and ``compression``.
+        options: this system's strategy, schedule and their options by name, as the CLI's flags give
+            them (:func:`pipetrain.registry.from_options` makes the objects): a pipeline's
+            ``schedule`` and ``microbatches``, or a data-parallel ``strategy`` with its ``staleness``
+            and ``compression``; and where the workers go: ``stages`` (first layers, or ``"auto"``:
+            profile on rank 0 and plan for the world size at ``bandwidth``, e.g. ``"1gbit"``).
         trace: also return ``breakdown``: per rank, seconds per minibatch each action kind took inside
             the windows: ``F``, ``B``, ``U`` compute (the forward includes taking a weight stash, the
             backward handing its gradient to the live weights), ``RF``/``RB`` waiting for a neighbour,
@@ -127,7 +129,7 @@ def ring_cost(cfg: PeerConfig, codec: str | None, repeats: int = 5) -> dict[str,
     the whole machine's busy CPU seconds meanwhile), and ``latency_s``: one hop of a ring of one
     granule per rank (α of Pipe-SGD's eq. 5: the fixed cost of a message, Python and gloo included).
     Medians of ``repeats`` after one warm-up. Inputs of the data-parallel predictions
-    (:func:`pipetrain.simulate.predict_data_parallel`'s ``comm_cpu_s`` and the link latency),
+    (:func:`pipetrain.predict.predict_data_parallel`'s ``comm_cpu_s`` and the link latency),
     measured on the same hosts and link as the runs they predict."""
     rank, world = init_group(cfg)
     elements = sum(p.numel() for p in cfg.build().parameters() if p.requires_grad)

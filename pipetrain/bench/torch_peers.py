@@ -42,8 +42,8 @@ def ddp(cfg: PeerConfig, fp16: bool = False) -> dict[str, Any]:
     out = timed_windows(cfg, step, counted, list(model.parameters()))
     out.update(runner="ddp-fp16" if fp16 else "ddp", loss=last_loss(), grad_bytes=grad_bytes)
     # [Note: DDP teardown] freed only as this function returned, after finish destroyed the process
-    # group, DDP's reducer now and then hung its rank in its teardown (5 of 42 runs of
-    # `pytest tests/test_peers.py -k test_ddp`): free it, and what holds it, while the group lives.
+    # group, DDP's reducer can hang its rank in its teardown: free it, and what holds it, while the
+    # group lives.
     del model, step, last_loss
     gc.collect()
     return finish(out)

@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", default=None, help="split for every pipeline, e.g. 0,12 (default: the automatic plan's)")
     p.add_argument("--microbatches", default="1,2,4", help="counts tried for microbatched systems (default 1,2,4)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated subset of {', '.join(SYSTEMS + EXTRA_SYSTEMS)} (default: the first seven)")
+                   help=f"comma-separated subset of {', '.join(SYSTEMS + EXTRA_SYSTEMS)} (default: all but "
+                        f"{', '.join(EXTRA_SYSTEMS)})")
     p.add_argument("--quick", action="store_true", help="fewer, shorter timed windows (a few minutes)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, quick 2)")
     p.add_argument("--windows", type=int, default=None, help="timed windows (default 5, quick 3)")

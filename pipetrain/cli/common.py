@@ -108,8 +108,8 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.o
 
 def add_optimizer_options(p: argparse.ArgumentParser) -> None:
     """``--optimizer``, ``--lr``, ``--momentum`` (read back by :func:`optimizer_of`)."""
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="torch.optim optimizer (default sgd)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, default=0.0, help="sgd only")
 
 

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``profile``, ``plan`` and ``simulate`` subcommands."""
     p = sub.add_parser("profile", help="measure each layer's seconds and bytes on one minibatch")
     p.add_argument("model", help="MODULE:FACTORY returning the nn.Module (or the module itself)")
-    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--batch-size", type=int, required=True, help="samples in the profiled minibatch")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--input-shape", help="one sample's shape, e.g. 1,8,8 (random float32 input)")
     given.add_argument("--data", help="MODULE:FACTORY returning a dataset of (input, target); "
@@ -44,13 +44,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--setup", type=int, default=None, metavar="WORKERS",
                    help="also measure how WORKERS local workers run here (contention, per-message cost), "
                         "for predictions of this machine")
-    p.add_argument("-o", "--output", default="profile.json")
+    p.add_argument("-o", "--output", default="profile.json", help="where to write the profile (default profile.json)")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("plan", help="partition a profiled model over workers (PipeDream's optimizer)")
     p.add_argument("profile", help="profile JSON (`pipetrain profile`) or a PipeDream graph.txt")
-    p.add_argument("--workers", type=int, required=True)
-    p.add_argument("--bandwidth", default="10Gbit", help="between workers (servers), e.g. 10Gbit, 1.25GB/s")
+    p.add_argument("--workers", type=int, required=True, help="workers to plan for")
+    p.add_argument("--bandwidth", default="10Gbit", help="between workers (servers), e.g. 10Gbit, 1.25GB/s "
+                                                         "(default 10Gbit)")
     p.add_argument("--straight", action="store_true", help="one worker per stage, no replication")
     p.add_argument("--memory", help="per worker, e.g. 16GiB: weights, stashed versions and activations must fit")
     p.add_argument("--workers-per-server", type=int, help="two-level topology: workers in one server")
@@ -84,9 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                                    f"{DEFAULT_SCHEDULE})")
     p.add_argument("--minibatches", type=int, default=None,
                    help="minibatches to simulate (default 32, rounded up to a multiple of every stage's replicas)")
-    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=1, help="gpipe / 1f1b-flush: slices per minibatch (default 1)")
     p.add_argument("--batch-size", type=int, default=None, help="default: the profile's")
-    p.add_argument("--bandwidth", default="10Gbit", help="per link direction, e.g. 10Gbit, 1.25GB/s")
+    p.add_argument("--bandwidth", default="10Gbit", help="per link direction, e.g. 10Gbit, 1.25GB/s (default 10Gbit)")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer (per message)")
     p.add_argument("--staleness", type=int, default=None, help="pipe-sgd: K (default 2)")
     p.add_argument("--compression", default=None, help="pipe-sgd: none | trunc16 | quant8")

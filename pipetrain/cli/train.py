@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("demo", help="train a small CNN on bundled digits over 4 local workers")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=10, help="passes over the digits (default 10)")
     p.add_argument("--bandwidth", default="1Gbit", help="the network the automatic plan is made for")
     p.set_defaults(func=cmd_demo)
 
@@ -86,12 +86,12 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-epochs", type=int, default=0, help="pipe-sgd: run the first epochs with K = 1")
     p.add_argument("--chunk", default=None, type=chunk_option,
                    help="cgdp: layers per chunk, or auto (default: the run-time search)")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1, help="passes over the dataset (default 1)")
     add_optimizer_options(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-shuffle", action="store_true")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--resume", action="store_true", help="restart from the newest epoch all stages saved")
+    p.add_argument("--seed", type=int, default=0, help="seeds the shuffling and every worker's random generator")
+    p.add_argument("--no-shuffle", action="store_true", help="keep dataset order: minibatch t is items [tB, (t+1)B)")
+    p.add_argument("--checkpoint-dir", default=None, help="each worker saves its state here after every epoch")
+    p.add_argument("--resume", action="store_true", help="restart from the newest epoch all workers saved")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="when a worker dies or goes silent, restart every worker from the newest checkpoint, up to N "
                         "times (needs --checkpoint-dir)")

@@ -1,4 +1,9 @@
-"""A pipeline plan's throughput under a schedule, from the simulator."""
+"""A pipeline plan's throughput under a schedule, from the simulator.
+
+The partitioner's own estimate (PipeDream §3.2) assumes a stage's weight sync overlaps its compute
+and leaves out fill and drain; running the schedule's real action lists through the simulator prices
+both, which is what ``stages="auto"`` and ``strategy="auto"`` compare plans by.
+"""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,10 @@
-"""What one rank does from start to end: set up, train epoch by epoch, checkpoint, report."""
+"""What one rank does from start to end: set up, train epoch by epoch, checkpoint, report.
+
+:func:`run_rank` is the one entry point of a rank, whether ``pipetrain.train`` forked it or torchrun
+started it, so both launch paths train alike. It builds the rank's worker from the validated
+configuration and drives it epoch by epoch; what happens inside an epoch, action by action, is
+:mod:`pipetrain.runtime.worker`'s.
+"""
 from __future__ import annotations
 
 import hashlib

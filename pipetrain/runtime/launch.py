@@ -1,12 +1,12 @@
 """Start local worker processes, or run as one rank under torchrun.
 
 Locally, workers are forked from a fork server: a clean process that has imported torch,
-``torch._dynamo`` (which building the first optimizer imports, 1.5-2 s) and pipetrain, and has run
-nothing, so no thread pool or CUDA context is forked. The caller itself is never forked (its thread
-pools would not survive it), so, as with spawn, arguments must pickle; objects defined at module level
-of the caller's script do. A worker then starts in about 0.1 s instead of 3-5 s (measured on a 2-core
-machine; the first job of a process also starts the server, about 3 s). When one worker fails, the
-others are stopped at once and the first failure's one-line message is raised in the caller.
+``torch._dynamo`` (which building the first optimizer imports, seconds on a CPU) and pipetrain, and has
+run nothing, so no thread pool or CUDA context is forked. A worker then starts in a fraction of a
+second instead of paying those imports again; only a process's first job pays for starting the server.
+The caller itself is never forked (its thread pools would not survive it), so, as with spawn,
+arguments must pickle; objects defined at module level of the caller's script do. When one worker
+fails, the others are stopped at once and the first failure's one-line message is raised in the caller.
 """
 from __future__ import annotations
 
@@ -80,10 +80,10 @@ def keep_freed_memory() -> None:
 
     [Note: page faults] By default glibc maps every block over 32 MiB fresh and unmaps it when freed,
     so a training step page-faults through each large gradient, activation and optimizer temporary
-    again (the kernel also zeroes every page). On the 2-core machine here, vgg-like's forward and
-    backward on 16 samples took 193 ms by default and 134 ms with these settings, copying its 107 MB
-    gradient 58 and 11 ms, an SGD step 18 and 10 ms. The cost: a worker holds on to its peak memory,
-    as a caching allocator does. Elsewhere than glibc this does nothing.
+    again (the kernel also zeroes every page). For a model with large layers (vgg-like's 107 MB
+    gradient) those faults are a large share of a CPU worker's forward, backward, gradient copy and
+    optimizer step. The cost: a worker holds on to its peak memory, as a caching allocator does.
+    Elsewhere than glibc this does nothing.
     """
     try:
         import ctypes
@@ -282,7 +282,7 @@ def _stuck(message: str, kind: str, rank: int, workdir: str, procs: list,
     files = [Path(workdir) / f"stacks{r}.txt" for r, _ in running]
     deadline = time.monotonic() + STACKS_WAIT_S
     # faulthandler writes a stack a line at a time: read once every file is non-empty and has stopped
-    # growing (read as soon as it was non-empty, a loaded machine gave a stack cut before its frames)
+    # growing (on a loaded machine, a file read as soon as it is non-empty may hold a stack cut short)
     sizes: list[int] = []
     while time.monotonic() < deadline:
         now = [f.stat().st_size if f.exists() else 0 for f in files]

@@ -40,7 +40,7 @@ class Setup:
         ring_latency_s, ring_s_per_byte: our ring allreduce over all the workers while every worker
             computes (α and β of :func:`pipetrain.costs.ring_allreduce_time`: n bytes over p workers take
             2(p-1) α + 2(p-1)/p n β), from two sizes (:func:`pipetrain.setup.ring.ring_line`); 0 when not measured (a
-            profile saved before they were), and the message figures stand in.
+            profile saved without them), and the message figures stand in.
         idle_ring_latency_s, idle_ring_s_per_byte: the same ring's line with nothing else running (what
             a ring met while the workers compute only part of it is priced between the two:
             :func:`pipetrain.costs.overlapped_ring_s`); 0 when not measured (a pipeline's set-up, which
@@ -75,7 +75,7 @@ class Setup:
             it at once (the median over the rounds of their mean), and, when the kernel was a training
             step of the model (:func:`pipetrain.setup.model_step`), the rows of its batch; 0 when not measured or not a
             model step. A step at a data-parallel worker's shard prices that worker's forward and
-            backward directly (:func:`pipetrain.simulate.predict_data_parallel`).
+            backward directly (:func:`pipetrain.predict.predict_data_parallel`).
         period_s: where the workers share cores, seconds per iteration of pipe-sgd's own loop at K = 2
             with each codec (by name, ``none`` included) at a gradient of ``ring_cpu_bytes``: the
             kernel, then the ring of the step before it, which ran beside it
@@ -199,8 +199,8 @@ class Setup:
     @staticmethod
     def from_dict(data: Any, field_of: Callable[..., Any]) -> Setup:
         """The set-up ``data`` holds; ``field_of(entry, key, where, kind)`` reads and checks one field
-        (:func:`pipetrain.profiling._field`); ValueError naming the field otherwise. Keys that are no
-        field of :class:`Setup` (one a profile saved by an older version holds) are ignored."""
+        (:func:`pipetrain.jsonfile.read_field`); ValueError naming the field otherwise. Keys that are no
+        field of :class:`Setup` are ignored, so a profile written by another version of pipetrain loads."""
         if not isinstance(data, dict):
             raise ValueError(f"profile: 'setup' is {data!r:.40}, not an object")
         kinds = {"backend": str, "workers": int, "threads": int, "cores": int, "step_rows": int, "ring_cpu_bytes": int}

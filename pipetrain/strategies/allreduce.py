@@ -8,11 +8,10 @@ accumulated it, and a full bucket's allreduce starts while the backward pass goe
 layers (wait-free backpropagation, as in Poseidon and PipeDream §4); ``A`` starts the last, partial
 bucket and ``S`` waits for them all.
 
-[Note: buckets] One allreduce per parameter tensor paid the ring's 2(r-1) message latencies per
-tensor: a 4-layer Transformer LM (3.2 MB in about 50 tensors) on 3 replicas sharing 2 cores waited
-83-105 ms in ``S`` against the 10.6 ms a single ring allreduce of its gradient is priced at. Buckets, as
-DDP's, pay them once per bucket; the simulator prices a stage's sync as that many ring allreduces
-(:func:`buckets`).
+[Note: buckets] An allreduce per parameter tensor would pay the ring's 2(r-1) message latencies per
+tensor, so a model of many small tensors (a Transformer's norms and biases) would wait in ``S`` many
+times what one allreduce of its whole gradient takes. Buckets, as DDP's, pay them once per bucket; the
+simulator prices a stage's sync as that many ring allreduces (:func:`buckets`).
 
 Update rule of a replicated stage s with r replicas and warm-up w = ceil(workers in stages s.. / r)
 (0-based minibatch ids): update k (k = 1, 2, ...) applies the mean gradient of minibatches

@@ -10,9 +10,10 @@ A codec turns a 1-D float block into a uint8 payload and back. Payloads are plai
 ring runs on gloo and NCCL whatever the codec packs into them. Every codec is deterministic: the same
 block gives the same payload on every rank, which keeps the ranks' results bitwise identical.
 
-[Note: no temporaries] Gradients reach 27M floats and a Pipe-SGD worker encodes on one thread, so
-the codecs write through views and ``out=`` tensors and never allocate a block-sized temporary: a
-fresh 50 MB tensor costs more in page faults than the arithmetic on it.
+[Note: no temporaries] A gradient may hold tens of millions of floats (vgg-like's: 27M) and a Pipe-SGD
+worker encodes on one thread, so the codecs write through views and ``out=`` tensors and never
+allocate a block-sized temporary: a fresh 50 MB tensor costs more in page faults than the arithmetic
+on it.
 """
 from __future__ import annotations
 

@@ -37,14 +37,13 @@ CHUNK_BYTES = 1 << 20
 """[Note: chunks] A block travels as chunks of at most 1 MiB of payload, and at least
 :data:`CHUNKS_PER_BLOCK` of them (none under :data:`MIN_CHUNK_BYTES`); each chunk goes on to the next
 hop as soon as it has arrived and been reduced (the pipelined ring of Pipe-SGD Fig. 3a: a chunk's
-decode, add and encode overlap the transfer of the chunks behind it). Measurements on the emulated
-cluster made this the design: (1) gloo moves one large message between two ranks one direction at a
-time: 2 ranks swapping 53.6 MB whole took 0.88 s at 1 Gbit/s, as long as sending then receiving,
-and 0.45-0.46 s (the link's 0.447 s) in 1-4 MiB pieces; (2) with quant8 on vgg-like, the codec calls
-of a whole-block ring took 95 ms of a 395 ms allreduce while the compute thread shared the core;
-(3) a 1.3 MB block at 100 Mbit/s in 1 MiB chunks (two, uneven) took 360 ms against the link's 216,
-in 256 KiB or 64 KiB chunks 225-227 ms (quant8: 93, 73, 57 ms), while vgg-like at 1 Gbit/s is the
-same in 1 MiB and 256 KiB chunks (917 and 926 ms)."""
+decode, add and encode overlap the transfer of the chunks behind it). Three reasons: gloo moves one
+large message between two ranks one direction at a time, so a block sent whole takes as long as
+sending then receiving it, where pieces let both directions of a link run at once; the codec's work
+on one chunk overlaps the transfer of the next instead of adding to the ring's time; and a block cut
+into only one or two chunks leaves little to overlap, hence at least :data:`CHUNKS_PER_BLOCK`. Above
+1 MiB, larger chunks gain nothing. ``pipetrain bench --systems pipe-sgd,pipe-sgd-quant8`` sets the
+ring's measured time beside its model's, which prices the link alone."""
 CHUNKS_PER_BLOCK = 8
 MIN_CHUNK_BYTES = 1 << 16
 
@@ -65,8 +64,8 @@ def ring_allreduce(blocks: torch.Tensor, group: dist.ProcessGroup | None, codec:
         codec: how blocks travel; lossy codecs round each partial sum (module docstring).
         workspace: where the ring keeps its receive buffers from one call to the next (a caller that
             allreduces again and again keeps one dict); None: new buffers every call. A new buffer's
-            pages fault in as it is first written: 17-19 ms of CPU for 26.8 MB here, against 1.3-1.5 ms
-            to write it again, and vgg-like's ring needs 53.5 MB of them per allreduce.
+            pages fault in as it is first written, which costs an order of magnitude more CPU than
+            writing them again, and a large model's ring needs twice its gradient in buffers.
 
     Returns:
         The payload bytes this rank sent: 2 (p-1) payloads of ``codec.payload_bytes(b)``.
