@@ -7,30 +7,16 @@ small class that owns its options and hooks; a plain name means its defaults (``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import fields
+from typing import Any
 
 from pipetrain.schedule.actions import Schedule
 from pipetrain.schedule.kinds import GPipe, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipelineSchedule
-from pipetrain.strategies.kinds import CGDP, DDP, Pipeline, PipeSGD, Strategy
+from pipetrain.strategies.kinds import CGDP, DDP, Auto, Pipeline, PipeSGD, Strategy
 
 __all__ = ["Auto", "CGDP", "DDP", "DEFAULT_SCHEDULE", "GPipe", "ModelParallel", "Naive", "OneFOneBFlush", "PipeDream",
            "PipeSGD", "Pipeline", "PipelineSchedule", "SCHEDULES", "STRATEGIES", "Strategy", "as_schedule",
            "as_strategy", "build_data_parallel", "build_schedule", "from_options", "make", "schedule_of"]
-
-
-@dataclass(frozen=True)
-class Auto:
-    """``strategy="auto"``: measure, predict every strategy and train the fastest.
-
-    Args:
-        allow_compression: may pick a codec that changes the arithmetic (Pipe-SGD's trunc16, quant8).
-    """
-
-    name: ClassVar[str] = "auto"
-    summary: ClassVar[str] = ("profile, measure this machine, predict every strategy for the workers and train "
-                              "the fastest")
-    allow_compression: bool = False
 
 
 SCHEDULES: dict[str, type[PipelineSchedule]] = {c.name: c for c in (PipeDream, Naive, GPipe, OneFOneBFlush,
