@@ -18,7 +18,7 @@ from pipetrain.errors import PipetrainError, warn
 from pipetrain.layers import LayeredModel
 from pipetrain.layout import Layout
 from pipetrain.planning import Plan, check_fits
-from pipetrain.registry import Auto, PipelineSchedule, Strategy, as_schedule, as_strategy
+from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strategy, as_schedule, as_strategy
 from pipetrain.result import TrainResult, gather, write_trace
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import Start, metrics_log, run_rank
@@ -121,45 +121,50 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
                      threads=threads, trace=bool(trace), progress=progress, log_dir=_path(log_dir),
                      trace_dir=None if isinstance(trace, bool) else _path(trace))
     chosen = as_strategy(strategy)
-    picked_schedule = None if schedule is None else as_schedule(schedule)
+    picked = None if schedule is None else as_schedule(schedule)
     if workers is None and under_torchrun() and (isinstance(chosen, Auto) or chosen.data_parallel):
         workers = int(os.environ["WORLD_SIZE"])
-    check_request(chosen, picked_schedule, stages, workers, bandwidth)
+    check_request(chosen, picked, stages, workers, bandwidth)
     threads_for = run.threads or shared_cores(workers or 1)
-    plan = choice = predicted = None
+    choice = None
     if isinstance(chosen, Auto):
         assert workers is not None
-        picked = auto.choose(training, workers, bandwidth, chosen.allow_compression, threads_for, timeout)
-        chosen, picked_schedule, plan, predicted, choice = (picked.strategy, picked.schedule, picked.plan,
-                                                            picked.predicted, picked.choice)
-        stages = plan
-    layers = None
+        auto_pick = auto.choose(training, workers, bandwidth, chosen.allow_compression, threads_for, timeout)
+        chosen, picked, stages, choice = auto_pick.strategy, auto_pick.schedule, auto_pick.plan, auto_pick.choice
     if chosen.data_parallel:
         assert workers is not None
-        layout = Layout.data_parallel_on(workers)
+        cfg = JobConfig(training, run, chosen, None, Layout.data_parallel_on(workers))
+        plan, predicted = None, None
     else:
-        picked_schedule = picked_schedule or as_schedule("pipedream")
-        layers = LayeredModel(model, first_inputs(dataset, batch_size // picked_schedule.microbatches))
-        if isinstance(stages, str) and stages == "auto":
-            assert workers is not None
-            plan, predicted = auto.plan_stages(training, picked_schedule, workers, bandwidth, threads_for, timeout)
-        elif isinstance(stages, (str, os.PathLike, Plan)):
-            plan = stages if isinstance(stages, Plan) else Plan.load(stages)
-            source = "the plan" if isinstance(stages, Plan) else str(stages)
-            check_fits(plan, len(layers), source)
-            if workers is not None and plan.workers != workers:
-                raise ValueError(f"{source} places {plan.workers} workers but workers={workers} was asked for; "
-                                 f"use {plan.workers} or make a new plan with `pipetrain plan --workers {workers}`")
-            predicted = predicted or (batch_size / plan.stage_time_s if plan.stage_time_s > 0 else None)
+        picked = picked or as_schedule(DEFAULT_SCHEDULE)
+        layers = LayeredModel(model, first_inputs(dataset, batch_size // picked.microbatches))
+        plan, predicted = _plan(training, picked, stages, workers, bandwidth, len(layers), threads_for, timeout)
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
-    cfg = JobConfig(training, run, chosen, picked_schedule, layout, layers)
+        cfg = JobConfig(training, run, chosen, picked, layout, layers)
     result = _launch(cfg, started, restarted)
-    if plan is not None:
-        result.plan = plan
-    result.predicted_samples_per_s = predicted if result.epochs_trained else result.predicted_samples_per_s
-    result.choice = choice
+    result.plan, result.choice = plan, choice
+    result.predicted_samples_per_s = choice["predictions"][choice["choice"]] if choice else predicted
     return result
+
+
+def _plan(training: Training, schedule: PipelineSchedule, stages: Stages | None, workers: int | None,
+          bandwidth: float | str | None, num_layers: int, threads: int, timeout: float) -> tuple[Plan | None, float | None]:
+    """The plan ``stages`` names (a Plan, a plan JSON path, or ``"auto"``: made here), checked against the
+    model's ``num_layers`` and the ``workers`` asked for, and its predicted samples/s; (None, None) for
+    stages given as first layers."""
+    if isinstance(stages, str) and stages == "auto":
+        assert workers is not None
+        return auto.plan_stages(training, schedule, workers, bandwidth, threads, timeout)
+    if not isinstance(stages, (str, os.PathLike, Plan)):
+        return None, None
+    plan = stages if isinstance(stages, Plan) else Plan.load(stages)
+    source = "the plan" if isinstance(stages, Plan) else str(stages)
+    check_fits(plan, num_layers, source)
+    if workers is not None and plan.workers != workers:
+        raise ValueError(f"{source} places {plan.workers} workers but workers={workers} was asked for; "
+                         f"use {plan.workers} or make a new plan with `pipetrain plan --workers {workers}`")
+    return plan, training.batch_size / plan.stage_time_s if plan.stage_time_s > 0 else None
 
 
 SILENT_AFTER_S = 20.0

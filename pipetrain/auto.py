@@ -36,12 +36,11 @@ DEFAULT_BANDWIDTH = "10Gbit"
 @dataclass(frozen=True)
 class Chosen:
     """What ``strategy="auto"`` picked: the strategy with its options, the pipeline's schedule and
-    plan (None for data parallelism), the prediction and the whole choice (``Choice.to_dict()``)."""
+    plan (None for data parallelism), and the whole choice (``Choice.to_dict()``) with its prediction."""
 
     strategy: Strategy
     schedule: PipelineSchedule | None
     plan: Plan | None
-    predicted: float
     choice: dict[str, Any]
 
 
@@ -146,5 +145,5 @@ def choose(t: Training, workers: int, bandwidth: float | str | None, allow_compr
     picked = dict(choice.options[choice.choice])
     name, stages = picked.pop("strategy"), picked.pop("stages", None)
     schedule = make("schedule", picked.pop("schedule"), {}) if "schedule" in picked else None
-    return Chosen(make("strategy", name, picked), schedule, stages, choice.predictions[choice.choice], found)
+    return Chosen(make("strategy", name, picked), schedule, stages, found)
 

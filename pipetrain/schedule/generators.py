@@ -27,6 +27,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 
+from pipetrain.layout import Layout
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, START_SYNC, SYNC, UPDATE, Action, Schedule,
 )
@@ -106,11 +107,10 @@ def data_parallel_order(workers: int, minibatches: int) -> Lists:
 
 def p2p_pass(replicas: Sequence[int], compute: Lists) -> Lists:
     """Receive before and send after each compute action that crosses a stage boundary."""
-    n = len(replicas)
-    stage_of = [s for s, r in enumerate(replicas) for _ in range(r)]
+    n, layout = len(replicas), Layout(tuple(replicas))
     out: Lists = []
     for w, acts in enumerate(compute):
-        s, seq = stage_of[w], []
+        s, seq = layout.stage_of(w), []
         for a in acts:
             if a.kind == FORWARD:
                 seq += ([Action(RECV_ACT, a.mb, a.micro)] if s > 0 else []) + [a]
@@ -144,11 +144,11 @@ def flush_sync(lists: Lists, microbatches: int) -> Lists:
 def step_sync(lists: Lists, replicas: Sequence[int]) -> Lists:
     """An update after every backward; a replicated stage first syncs the gradient with its replicas
     (``A`` after the backward, whose hooks have already started the allreduce, then ``S``)."""
-    stage_of = [s for s, r in enumerate(replicas) for _ in range(r)]
+    layout = Layout(tuple(replicas))
 
     def extra(b: Action, replicated: bool) -> list[Action]:
         return ([Action(START_SYNC, b.mb), Action(SYNC, b.mb)] if replicated else []) + [Action(UPDATE, b.mb)]
-    return [_after_backwards(acts, functools.partial(extra, replicated=replicas[stage_of[w]] > 1))
+    return [_after_backwards(acts, functools.partial(extra, replicated=replicas[layout.stage_of(w)] > 1))
             for w, acts in enumerate(lists)]
 
 
