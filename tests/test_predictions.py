@@ -209,6 +209,7 @@ def _burn_20ms() -> None:
         pass
 
 
+@pytest.mark.multiprocess
 def test_the_probe_leaves_the_training_steps_own_cpu_out_of_a_message_after_it():
     """A kernel that burns 20 ms of CPU in its own thread: were it counted, a message end after it
     would read 10 ms or more (one kernel per round trip of two ends); it reads what the transport
@@ -538,6 +539,7 @@ def test_what_a_prediction_times_here_it_times_with_the_workers_thread_count(mon
         torch.set_num_threads(before)
 
 
+@pytest.mark.multiprocess
 def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker():
     net = nn.Linear(4, 2)
     assert model_step(net, ((torch.zeros(5, 4), torch.zeros(5, 1)), torch.zeros(5, 2)), nn.functional.mse_loss).rows == 5
@@ -549,6 +551,7 @@ def test_a_model_step_counts_its_rows_and_the_probe_times_it_with_every_worker()
     assert measured.codec_ring_cpu_s == {} and measured.codec_ring_cpu("quant8", 2, 40) is None
 
 
+@pytest.mark.multiprocess
 def test_a_set_up_samples_compute_again_while_the_machine_takes_cores_and_keeps_a_load_that_stays():
     """Two workers with a core each explain a slowdown of 1. Rank 1 computing 3x slower (15 ms a call
     against 5) reads 2: rounds go on until the median of the last three reads within 1.5x of what the
@@ -631,6 +634,7 @@ def test_a_setup_saved_before_the_allreduces_were_measured_loads_and_prices_with
     assert probed.allreduce_terms(ours=False) == probed.allreduce_terms(ours=False, nbytes=1001) == (1 * MS, 2e-9)
 
 
+@pytest.mark.multiprocess
 def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     """At a 1 MiB gradient (one bucket): at 256 KB, a 1-element allreduce slowed by a busy machine once
     took longer than the gradient's, and the line's β read 0."""
@@ -657,6 +661,7 @@ def test_the_setup_probe_measures_both_allreduces_among_the_workers():
     assert 0 < measured.idle_latency_s and "idle" in measured.describe()
 
 
+@pytest.mark.multiprocess
 def test_where_workers_share_cores_the_set_up_times_pipe_sgds_loop_with_each_codec(monkeypatch: pytest.MonkeyPatch):
     """Two workers on what the set-up takes for one core: it times pipe-sgd's loop at the job's gradient,
     plain and with each lossy codec; with a core each (this machine's two) it does not."""
@@ -670,6 +675,7 @@ def test_where_workers_share_cores_the_set_up_times_pipe_sgds_loop_with_each_cod
     assert measure_setup(2, 1, seconds=0.05, rounds=3, compute_rounds=1, ring_bytes=1 << 18).period_s == {}
 
 
+@pytest.mark.multiprocess
 def test_a_set_up_for_a_pipeline_leaves_our_rings_cpu_unmeasured():
     """Only pipe-sgd is priced with our ring's CPU: without it, the set-up at a gradient the probe would
     time every codec's ring at has none of it, and its ring CPU falls back to a send and a receive."""
@@ -911,6 +917,7 @@ def test_auto_refuses_what_it_would_choose_and_unknown_names():
                         optimizer=functools.partial(torch.optim.SGD, lr=0.1), strategy="auto", batch_size=8)
 
 
+@pytest.mark.multiprocess
 def test_train_auto_measures_chooses_and_trains_the_choice(capsys):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
