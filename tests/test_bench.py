@@ -19,6 +19,7 @@ TINY = ["--model", "mnist-mlp", "--batch-size", "16", "--microbatches", "2", "--
         "--windows", "1", "--steps-per-window", "1", "--timeout", "60"]
 
 
+@pytest.mark.multiprocess
 def test_bench_json_has_every_system(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     """Asked for an emulated link where none can be built, it says why in one line and uses loopback."""
     png = tmp_path / "bench.png"
@@ -46,6 +47,7 @@ def test_bench_json_has_every_system(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "torch-1f1b" in format_table(report)
 
 
+@pytest.mark.multiprocess
 def test_ps_sync_runs_beside_ddp_with_one_more_process(capsys: pytest.CaptureFixture[str]) -> None:
     """2 workers: ddp on 2 processes, ps-sync on 3 (its server last); ps-sync's bytes are the server's."""
     assert main(["bench", *TINY, "--loopback", "--systems", "ddp,ps-sync", "--json"]) == 0
@@ -59,6 +61,7 @@ def test_ps_sync_runs_beside_ddp_with_one_more_process(capsys: pytest.CaptureFix
     assert "ps-sync: 2 workers and a parameter server (rank 2" in format_table(report)
 
 
+@pytest.mark.multiprocess
 def test_cgdp_is_timed_after_its_chunk_search(capsys: pytest.CaptureFixture[str]) -> None:
     """mnist-mlp has 3 layers with parameters: the search judges chunks 1..4 over 40 iterations."""
     assert main(["bench", *TINY, "--loopback", "--systems", "ddp,cgdp", "--json"]) == 0
@@ -102,6 +105,7 @@ def test_auto_is_judged_against_every_run_and_among_exact_strategies() -> None:
     assert judged["any"] == {"pick": "ddp", "best": "pipeline", "pick_vs_best": 60 / 110, "met": False}
 
 
+@pytest.mark.multiprocess
 def test_bench_auto_on_loopback_prices_the_candidates_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """``--auto``: a profile and set-up first, one prediction per candidate run, pipedream on the priced
     plan, and the pick judged against the measured rates."""

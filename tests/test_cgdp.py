@@ -57,6 +57,7 @@ def weights(result: pipetrain.TrainResult) -> list[torch.Tensor]:
     return [p.detach() for p in result.model.parameters()]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("workers", [2, 3])
 def test_equals_minibatch_sgd_and_is_bitwise_the_same_for_every_chunk_size(workers: int) -> None:
     want = reference(model())
@@ -73,6 +74,7 @@ def test_equals_minibatch_sgd_and_is_bitwise_the_same_for_every_chunk_size(worke
     assert runs[2].sync_stats[0]["chunks"] == [2] * (EPOCHS * N_MB)
 
 
+@pytest.mark.multiprocess
 def test_the_loss_recorded_is_the_minibatch_mean() -> None:
     result = train(epochs=1)
     x, y = dataset().tensors
@@ -94,6 +96,7 @@ class Unused(nn.Module):
         return self.b(h) if x.shape[0] > 0 else self.spare(self.b(h))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("make", [lambda: Residual().double(), lambda: Unused().double()],
                          ids=["fx-residual", "untraceable-with-an-unused-layer"])
 def test_models_that_are_not_sequential(make) -> None:
@@ -102,6 +105,7 @@ def test_models_that_are_not_sequential(make) -> None:
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 
+@pytest.mark.multiprocess
 def test_resume_continues_exactly(tmp_path) -> None:
     train(epochs=1, chunk=2, checkpoint_dir=tmp_path)
     resumed = train(chunk=2, checkpoint_dir=tmp_path, resume=True)
@@ -109,6 +113,7 @@ def test_resume_continues_exactly(tmp_path) -> None:
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 
+@pytest.mark.multiprocess
 def test_several_machines_sum_hierarchically(tmp_path) -> None:
     """Two torchrun nodes of 2 workers each on this machine: each node sums in its own host memory,
     then the nodes add their sums; the result equals a 4-worker run on one machine."""
@@ -135,6 +140,7 @@ def test_several_machines_sum_hierarchically(tmp_path) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-9)
 
 
+@pytest.mark.multiprocess
 def test_a_dead_worker_is_named_and_nothing_hangs() -> None:
     t0 = time.monotonic()
     with pytest.raises(pipetrain.PipetrainError, match="worker 1 died with exit code 3"):
@@ -142,6 +148,7 @@ def test_a_dead_worker_is_named_and_nothing_hangs() -> None:
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.multiprocess
 def test_no_shared_memory_file_is_left_behind() -> None:
     before = set(cgdp_module.HOST_MEMORY.glob("pipetrain-cgdp-*"))
     train(epochs=1)
@@ -171,7 +178,7 @@ def test_too_little_shared_memory_is_said_before_any_worker_starts(monkeypatch) 
 def test_the_chunk_search_hears_every_iteration_when_the_last_chunk_comes_back_in_a_hook(monkeypatch) -> None:
     """The summing thread may finish the iteration's last chunk before the backward's last hook looks:
     the chunk then comes back in the hook, not at ``S``, and the slowest worker's time it carries must
-    still reach the search (once lost, workers fell out of step on the chunk size and hung). Forced
+    still reach the search (lost, the workers would fall out of step on the chunk size and hang). Forced
     here by making every hook wait for the sums it looks at."""
     import torch.distributed as dist
     from pipetrain.layout import Layout

@@ -12,6 +12,8 @@ import pipetrain
 from pipetrain.runtime import checkpoint
 from pt_models import mlp
 
+pytestmark = pytest.mark.multiprocess
+
 
 def data() -> TensorDataset:
     g = torch.Generator().manual_seed(3)

@@ -10,6 +10,8 @@ import torch
 
 from launching import ROOT, free_port, run_locally
 
+pytestmark = pytest.mark.multiprocess
+
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipetrain.cli", *args], cwd=cwd, capture_output=True,

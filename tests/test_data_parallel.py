@@ -70,6 +70,7 @@ def assert_same(result: pipetrain.TrainResult, want: list[torch.Tensor], tol: fl
         torch.testing.assert_close(got.detach(), ref, rtol=0, atol=tol)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("warmup_epochs", [0, 1])
 @pytest.mark.parametrize("staleness", [1, 2, 3])
 @pytest.mark.parametrize("workers", [2, 3])
@@ -89,6 +90,7 @@ def test_the_staleness_rules_really_differ() -> None:
             assert (refs[i][0] - refs[j][0]).abs().max() > 1e-6
 
 
+@pytest.mark.multiprocess
 def test_ddp_is_plain_minibatch_sgd() -> None:
     result = train("ddp")
     assert_same(result, reference(2, 1, 0))
@@ -97,6 +99,7 @@ def test_ddp_is_plain_minibatch_sgd() -> None:
     assert result.bytes_sent == [grad_bytes * EPOCHS * N_MB] * 2
 
 
+@pytest.mark.multiprocess
 def test_loss_in_history_is_the_minibatch_mean() -> None:
     """The loss recorded for update 1 (before any update) is the full minibatch's loss at W[0]."""
     result = train(pipetrain.PipeSGD(staleness=2))
@@ -106,6 +109,7 @@ def test_loss_in_history_is_the_minibatch_mean() -> None:
     assert result.history[0]["loss"] == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.multiprocess
 def test_adam_counts_real_updates_only(tmp_path) -> None:
     """No zero gradient is ever applied: Adam's step count equals the minibatches trained."""
     train(pipetrain.PipeSGD(staleness=3), optimizer=functools.partial(torch.optim.Adam, lr=1e-3), checkpoint_dir=tmp_path)
@@ -114,6 +118,7 @@ def test_adam_counts_real_updates_only(tmp_path) -> None:
         assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {EPOCHS * N_MB}
 
 
+@pytest.mark.multiprocess
 def test_resume_continues_exactly(tmp_path) -> None:
     """A run stopped after epoch 0 and resumed ends where an uninterrupted run does."""
     train(pipetrain.PipeSGD(staleness=2), epochs=1, checkpoint_dir=tmp_path)
@@ -124,6 +129,7 @@ def test_resume_continues_exactly(tmp_path) -> None:
         train("ddp", checkpoint_dir=tmp_path, resume=True)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("codec", ["trunc16", "quant8"])
 def test_compressed_ring_trains_and_really_compresses(codec: str) -> None:
     """float32 with a codec: workers end identical (checked by train), the loss falls, the weights
@@ -173,6 +179,7 @@ def faulty(how: str) -> torch.nn.Sequential:
     return torch.nn.Sequential(FaultAt(3, how, rank=1), *model())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["pipe-sgd", "ddp"])
 def test_a_dead_worker_is_named_and_nothing_hangs(strategy: str) -> None:
     t0 = time.monotonic()
@@ -181,6 +188,7 @@ def test_a_dead_worker_is_named_and_nothing_hangs(strategy: str) -> None:
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.multiprocess
 def test_a_silent_worker_fails_the_sync_within_the_timeout() -> None:
     t0 = time.monotonic()
     # The mailbox's own 3 s deadline, or gloo's 3 s on the communication thread's send: whichever fires first.
@@ -227,10 +235,11 @@ def bn_reference(workers: int) -> dict[str, torch.Tensor]:
             "1.running_var": var[0], "3.weight": w2, "3.bias": b2}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", [pipetrain.DDP(), pipetrain.CGDP(chunk=1), pipetrain.PipeSGD(staleness=1)])
 def test_batchnorm_statistics_are_the_workers_mean_after_each_epoch(strategy) -> None:
     """Workers' running statistics drift apart (each sees its own shard); they are averaged at every
-    epoch's end, so the workers end identical (they used to fail the end-of-run check) and exact."""
+    epoch's end, so the workers end identical (as the end-of-run check requires) and exact."""
     state = train(strategy, net=bn_model()).model.state_dict()
     for key, want in bn_reference(2).items():
         torch.testing.assert_close(state[key], want, rtol=0, atol=1e-9, msg=key)

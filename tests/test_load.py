@@ -19,6 +19,7 @@ def burn(seconds: float) -> float:
     return seconds
 
 
+@pytest.mark.multiprocess
 def test_workers_of_the_fork_server_count_as_own_cpu():
     with LoadSampler(0.05) as load:
         spawn(burn, 2, (0.4,))  # grandchildren: children of the fork server

@@ -12,6 +12,8 @@ from pipetrain.bench.torch_peers import ddp, no_sync, ps_sync, torch_pipeline
 from pipetrain.runtime import launch
 from pipetrain.errors import PipetrainError
 
+pytestmark = pytest.mark.multiprocess
+
 # mnist-mlp at 784-16-16-10: 13,002 parameters. Layers: Flatten, Linear, ReLU, Linear, ReLU, Linear.
 TINY = PeerConfig(model="mnist-mlp", model_kwargs={"hidden": (16, 16)}, batch_size=16, warmup=1, windows=2,
                   steps_per_window=2, timeout_s=60)

@@ -3,8 +3,8 @@
 The property tests compare the dynamic program with a brute force, written here from the paper and
 not from pipetrain.costs, over every split into stages and every replica count per stage.
 
-Measured on the development machine (2 shared cores): 200 layers x 64 workers with replication
-solves in 0.13 s, median of 5 (``test_large_solve_is_fast`` prints its time; 0.13-0.23 s seen).
+``test_large_solve_is_fast`` prints how long 200 layers x 64 workers with replication take to solve;
+its bound only catches a solver that is no longer vectorized.
 """
 import itertools
 import json

@@ -1,4 +1,5 @@
 """Profiles: the profiler on Sequential and branchy fx models, PipeDream's graph.txt, JSON, the CLI."""
+import functools
 import json
 import re
 import time
@@ -8,10 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from handmade import MS, setup
+
 import pipetrain
 from pipetrain import cli
 from pipetrain.layers import LayeredModel
-from pipetrain.profiling import LayerProfile, Profile, ProfileError, as_minibatch, time_batching
+from pipetrain.profiling import LayerProfile, Profile, ProfileError, as_minibatch, profile_model, time_batching
 
 DATA = Path(pipetrain.__file__).parent / "data" / "pipedream"
 
@@ -232,3 +235,36 @@ def test_cli_profile_then_plan(capsys, tmp_path):
     with_data = Profile.load(out)
     assert code == 0 and with_data.input_bytes == 8 * 64 * 4 and with_data.inputs_s > 0 and with_data.targets_s > 0
     assert "ms its inputs" in capsys.readouterr().out
+
+
+def test_a_microbatch_profile_stands_for_the_minibatch_its_microbatches_make():
+    micro = Profile([LayerProfile("a", 1 * MS, 2 * MS, 100, 40, optimizer_s=0.5 * MS)], batch_size=16,
+                    device="test", input_bytes=64, setup=setup())
+    whole = as_minibatch(micro, 4)
+    assert (whole.batch_size, whole.input_bytes, whole.setup) == (64, 256, micro.setup)
+    layer = whole.layers[0]
+    assert (layer.forward_s, layer.backward_s, layer.activation_bytes) == pytest.approx((4 * MS, 8 * MS, 400))
+    assert (layer.parameter_bytes, layer.optimizer_s) == (40, 0.5 * MS)  # one optimizer step per minibatch
+    assert whole.meta == {"measured_at_batch": 16, "microbatches": 4}
+
+
+def test_profile_times_the_optimizer_and_leaves_the_model_as_it_was(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = (torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+    adam = functools.partial(torch.optim.Adam, lr=0.1)
+    measured = profile_model(model, batch, nn.functional.cross_entropy, optimizer=adam, repeats=3, warmup=2)
+    assert [x.optimizer_s > 0 for x in measured.layers] == [True, False, True]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    measured.setup = setup()
+    measured.save(tmp_path / "p.json")
+    again = Profile.load(tmp_path / "p.json")
+    assert again.setup == setup() and again.layers == measured.layers
+    old = json.loads((tmp_path / "p.json").read_text())
+    del old["setup"]
+    for entry in old["layers"]:
+        del entry["optimizer_s"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Profile.load(tmp_path / "old.json").layers[0].optimizer_s == 0.0

@@ -52,6 +52,7 @@ def plain_sgd(net: nn.Module, dataset, loss_fn, steps: int) -> nn.Module:
     return net
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", CASES)
 def test_model_parallel_on_exported_layers_is_plain_sgd(name: str) -> None:
     make, make_data, loss_fn, stages = CASES[name]
@@ -68,6 +69,7 @@ def test_model_parallel_on_exported_layers_is_plain_sgd(name: str) -> None:
     assert any(not torch.equal(p, q) for p, q in zip(net.state_dict().values(), want.values()))  # it did train
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", CASES)
 def test_pipedream_trains_a_library_model(name: str) -> None:
     make, make_data, loss_fn, stages = CASES[name]

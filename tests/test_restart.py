@@ -1,5 +1,5 @@
 """A killed worker is survived: the job restarts from its checkpoints and ends exactly where an
-uninterrupted job ends, for every strategy (issue 10)."""
+uninterrupted job ends, for every strategy."""
 import functools
 import json
 import random
@@ -77,6 +77,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert (a[k] - b[k]).abs().max().item() <= 1e-9, k
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("when", ["forward", "save"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_killed_worker_is_survived_with_nothing_lost(tmp_path, layout: str, when: str) -> None:
@@ -100,6 +101,7 @@ def test_a_killed_worker_is_survived_with_nothing_lost(tmp_path, layout: str, wh
     assert result.epochs_trained == EPOCHS
 
 
+@pytest.mark.multiprocess
 def test_a_kill_before_the_first_checkpoint_restarts_from_scratch(tmp_path) -> None:
     marker = tmp_path / "killed"
     with pytest.warns(pipetrain.PipetrainWarning, match="restarting every worker from the start"):
@@ -111,6 +113,7 @@ def test_a_kill_before_the_first_checkpoint_restarts_from_scratch(tmp_path) -> N
     assert result.restarts[0]["resumed_after_epoch"] is None
 
 
+@pytest.mark.multiprocess
 def test_out_of_restarts_raises_with_history_and_checkpoint(tmp_path) -> None:
     """With no restart left the error is raised as before, carrying the history and the kept epoch."""
     with pytest.raises(pipetrain.PipetrainError, match=r"stage 2 \(rank 2\) was killed by SIGKILL") as failed:
@@ -122,6 +125,7 @@ def test_out_of_restarts_raises_with_history_and_checkpoint(tmp_path) -> None:
     assert N_MB <= len(steps) < 2 * N_MB
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("damage", ["no manifest", "truncated", "corrupt"])
 def test_a_checkpoint_cut_short_is_skipped(tmp_path, damage: str) -> None:
     """What a kill while writing leaves (the manifest is written last; a torn file fails its checksum):
@@ -151,6 +155,7 @@ def test_a_checkpoint_cut_short_is_skipped(tmp_path, damage: str) -> None:
     assert [h["step"] for h in result.history] == list(range(1, EPOCHS * N_MB + 1))
 
 
+@pytest.mark.multiprocess
 def test_resume_with_nothing_left_returns_the_checkpointed_model(tmp_path) -> None:
     done = train(model("ddp"), "ddp", checkpoint_dir=tmp_path)
     for _ in range(3):  # never a crash, never "loss nan"
@@ -169,6 +174,7 @@ def test_max_restarts_needs_a_checkpoint_dir() -> None:
 
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["pipeline", "pipe-sgd"])
 def test_torchrun_restarted_ranks_resume_by_themselves(tmp_path, layout: str) -> None:
     """Under ``torchrun --max-restarts 1`` a killed rank makes torchrun restart every rank; each resumes
@@ -187,6 +193,7 @@ def test_torchrun_restarted_ranks_resume_by_themselves(tmp_path, layout: str) ->
     assert [h["attempt"] for h in history] == [0] * N_MB + [1] * (EPOCHS - 1) * N_MB
 
 
+@pytest.mark.multiprocess
 def test_a_stopped_worker_is_named_within_seconds_and_the_job_restarts(tmp_path) -> None:
     """SIGSTOP stage 2 of 4 with the default timeout (300 s): the heartbeat names it, not a neighbour
     waiting on it, within SILENT_AFTER_S; the job restarts and ends exactly."""

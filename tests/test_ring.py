@@ -123,6 +123,7 @@ def _check(results: list, cases: list, ring: list[int], seed: int) -> None:
             assert ((got - exact).abs() <= 0.01 * p * torch.stack(grads).abs().sum(0).max()).all(), where
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_matches_the_sequential_recurrence(world):
     seed = 10 + world
@@ -151,6 +152,7 @@ def _dead_peer_job() -> str:
     return "returned"
 
 
+@pytest.mark.multiprocess
 def test_a_dead_peer_raises_instead_of_hanging():
     t0 = time.monotonic()
     assert spawn(_dead_peer_job, 2, ()) == ["raised", "left"]
@@ -185,6 +187,7 @@ def _counted_ring_job(name: str, n: int) -> dict:
     return codec.seen
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["trunc16", "quant8"])
 def test_what_the_codec_timing_runs_is_what_a_rank_of_the_ring_runs(name):
     # a rank encodes its own block and then each of the p-1 partial sums it passes on; it decodes each

@@ -64,6 +64,7 @@ def test_untraceable_model_says_to_pass_a_sequential():
         train(model=Untraceable(), stages=[0])
 
 
+@pytest.mark.multiprocess
 def test_non_finite_loss_stops_and_keeps_the_checkpoint(tmp_path):
     train(checkpoint_dir=tmp_path, epochs=1)
     saved = sorted(p.name for p in tmp_path.iterdir())
@@ -80,6 +81,7 @@ def with_fault(fault: nn.Module) -> nn.Sequential:
     return nn.Sequential(*layers[:2], fault, *layers[2:])
 
 
+@pytest.mark.multiprocess
 def test_dead_peer_is_named():
     t0 = time.monotonic()
     with pytest.raises(pipetrain.PipetrainError, match=r"stage 1 \(rank 1\)"):
@@ -87,6 +89,7 @@ def test_dead_peer_is_named():
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.multiprocess
 def test_silent_peer_times_out_and_is_named():
     t0 = time.monotonic()
     with pytest.raises(pipetrain.PipetrainError, match=r"stage 1 \(rank 1\) went silent: nothing for 3s"):
@@ -105,6 +108,7 @@ def _wait_forever(holds_the_gil: int | None) -> None:
         time.sleep(1)
 
 
+@pytest.mark.multiprocess
 def test_a_job_past_its_time_limit_is_stopped_with_every_workers_stack(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(PipetrainError, match=r"^rank 0, rank 1 still running after 3s, the job's time limit; the "
@@ -158,6 +162,7 @@ def test_a_job_that_finishes_just_as_its_time_limit_passes_returns_its_results()
     assert results == [{"rank": 0}]
 
 
+@pytest.mark.multiprocess
 def test_a_worker_stuck_holding_the_gil_is_named_with_where_it_is_stuck(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(PipetrainError, match=r"^rank 1 went silent: no sign of life for [0-9]+s \(stopped, or stuck "
@@ -187,6 +192,7 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["pipeline", "pipe-sgd"])
 def test_killing_the_caller_leaves_no_process_behind(strategy, tmp_path):
     """SIGKILL the process that called train: its workers and the fork server are gone within seconds,
@@ -232,6 +238,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.multiprocess
 def test_a_diverging_loss_stops_the_run_with_its_history(tmp_path):
     """Cross entropy on regression targets runs off to minus infinity: stopped as diverged, not a result."""
     with pytest.raises(pipetrain.PipetrainError, match=r"loss diverged: -1\.\d+e\+04 at epoch \d+ minibatch \d+, "
@@ -243,6 +250,7 @@ def test_a_diverging_loss_stops_the_run_with_its_history(tmp_path):
     assert abs(failed.value.history[-1]["loss"]) < 1e4  # the records before the diverged step
 
 
+@pytest.mark.multiprocess
 def test_resume_from_an_empty_directory_says_it_starts_from_scratch(tmp_path):
     with pytest.warns(pipetrain.PipetrainWarning, match="holds no complete checkpoint of this job; starting from "
                                                         "epoch 0"):
@@ -255,6 +263,7 @@ class Raises(nn.Module):
         raise ValueError("this layer is broken")
 
 
+@pytest.mark.multiprocess
 def test_an_error_in_a_stage_names_the_stage_and_keeps_the_traceback():
     with pytest.raises(pipetrain.PipetrainError, match=r"^StageError: stage 1 \(rank 1\): the forward of minibatch "
                                                        r"0 failed: ValueError: this layer is broken \(tracebacks: "
@@ -265,6 +274,7 @@ def test_an_error_in_a_stage_names_the_stage_and_keeps_the_traceback():
     log.unlink()
 
 
+@pytest.mark.multiprocess
 def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
     """Workers first import the caller's script; one that calls train at its top level makes them start
     workers of their own, which multiprocessing refuses. The error says what to do."""

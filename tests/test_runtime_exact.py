@@ -89,14 +89,17 @@ def plain(s: int, t: int) -> int:
     return t - 1
 
 
+@pytest.mark.multiprocess
 def test_pipedream_weight_stashing_is_exact():
     assert_same(run("pipedream"), reference(stashed))
 
 
+@pytest.mark.multiprocess
 def test_vertical_sync_is_exact():
     assert_same(run(pipetrain.PipeDream(vertical_sync=True)), reference(vertical))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", [pipetrain.GPipe(microbatches=2), pipetrain.OneFOneBFlush(microbatches=4),
                                       pipetrain.ModelParallel()], ids=str)
 def test_flush_schedules_are_plain_minibatch_sgd(schedule):
@@ -111,12 +114,14 @@ def test_the_three_semantics_really_differ():
             assert (refs[i][0][0] - refs[j][0][0]).abs().max() > 1e-6
 
 
+@pytest.mark.multiprocess
 def test_naive_differs_from_every_consistent_rule():
     got = run("naive")
     for rule in (stashed, vertical, plain):
         assert max((g[0] - w[0]).abs().max().item() for g, w in zip(got, reference(rule))) > 1e-6
 
 
+@pytest.mark.multiprocess
 def test_branchy_fx_model_trains_like_local_sgd():
     """An fx model cut inside a residual block (two tensors cross) matches single-process SGD."""
     ds = dataset()
@@ -135,6 +140,7 @@ def test_branchy_fx_model_trains_like_local_sgd():
         torch.testing.assert_close(v, v2, rtol=0, atol=1e-9)
 
 
+@pytest.mark.multiprocess
 def test_replicated_stage_is_exact():
     """Stages on 2, 1, 1, 1 workers (stage 1 replicated): the update rule of a replicated stage.
 
@@ -154,8 +160,9 @@ def test_replicated_stage_is_exact():
     assert max((a[0] - b[0]).abs().max().item() for a, b in zip(reference(rule, replicas), reference(stashed))) > 1e-6
 
 
+@pytest.mark.multiprocess
 def test_the_callers_model_is_left_alone():
-    """Workers train copies: the model passed in keeps its weights (a shared-memory regression)."""
+    """Workers train copies: the model passed in keeps its weights (no worker shares its memory)."""
     model = mlp()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     pipetrain.train(model, dataset(), loss_fn=torch.nn.functional.mse_loss,

@@ -23,6 +23,7 @@ def data():
     return regression(64, 4, 3)
 
 
+@pytest.mark.multiprocess
 def test_auto_profiles_plans_and_runs():
     result = pipetrain.train(mlp(), data(), stages="auto", workers=3, bandwidth="1Gbit", **ARGS)
     assert result.plan is not None and result.plan.workers == 3
@@ -32,6 +33,7 @@ def test_auto_profiles_plans_and_runs():
     assert len(result.history) == 8 // lcm * lcm and result.samples_per_s > 0
 
 
+@pytest.mark.multiprocess
 def test_auto_plans_a_straight_pipeline_for_a_schedule_that_cannot_replicate():
     # gpipe runs one worker per stage: the planner must not replicate a stage for it (it did, and the
     # prediction stopped the run with "runs straight pipelines only")
@@ -40,6 +42,7 @@ def test_auto_plans_a_straight_pipeline_for_a_schedule_that_cannot_replicate():
     assert result.samples_per_s > 0
 
 
+@pytest.mark.multiprocess
 def test_saved_plan_runs_with_replicas(tmp_path):
     path = tmp_path / "plan.json"
     Plan([StagePlan(0, 3, 2), StagePlan(4, 6, 1)], noam=2, stage_time_s=0.01, speedup_vs_one=1.5,
@@ -49,6 +52,7 @@ def test_saved_plan_runs_with_replicas(tmp_path):
     assert result.predicted_samples_per_s == pytest.approx(8 / 0.01)
 
 
+@pytest.mark.multiprocess
 def test_the_progress_bar_counts_every_minibatch_when_the_output_stage_is_replicated(tmp_path):
     # the bar's worker is one of the output stage's 2 replicas and records 1 update in 2: the bar ended
     # at 50% (the demo's 4 replicas: 110/440)
@@ -87,6 +91,7 @@ def test_plan_for_another_model_or_more_workers_is_refused(tmp_path):
         pipetrain.train(mlp(), data(), stages="auto", **ARGS)
 
 
+@pytest.mark.multiprocess
 def test_cli_plan_auto_prints_predicted_beside_measured():
     r = subprocess.run([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
                         "examples.mlp_job:data", "--plan", "auto", "--workers", "2", "--loss", "mse_loss",

@@ -74,6 +74,7 @@ LAYOUTS = {"pipeline": PIPELINE, "ddp": dict(strategy="ddp", workers=2),
            "pipe-sgd-sync": dict(strategy=pipetrain.PipeSGD(staleness=1), workers=2)}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_lr_scheduler_steps_once_per_update_on_every_worker(layout: str) -> None:
     result = train(lr_scheduler=STEP_LR, epochs=2, **LAYOUTS[layout])
@@ -81,6 +82,7 @@ def test_lr_scheduler_steps_once_per_update_on_every_worker(layout: str) -> None
     assert [h["lr"] for h in result.history] == [LR * 0.5 ** (t // 2) for t in range(2 * N_MB)]
 
 
+@pytest.mark.multiprocess
 def test_clip_grad_norm_is_global_for_data_parallel_and_per_stage_for_a_pipeline() -> None:
     clip = 0.05
     assert_same(train(clip_grad_norm=clip, strategy="ddp", workers=2).model, reference(clip=clip))
@@ -112,6 +114,7 @@ EVAL_LAYOUTS = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", EVAL_LAYOUTS)
 def test_evaluation_after_every_epoch_uses_that_epochs_weights_in_eval_mode(layout: str, tmp_path: Path) -> None:
     batch = 24 if layout == "pipe-sgd" else BATCH  # divisible by the workers
@@ -128,6 +131,7 @@ def test_evaluation_after_every_epoch_uses_that_epochs_weights_in_eval_mode(layo
         [(s, e["accuracy"]) for s, e in evals]
 
 
+@pytest.mark.multiprocess
 def test_bf16_autocasts_the_forward_of_every_stage() -> None:
     """The pipeline in bf16 is the whole model's SGD under autocast: only the compute is bfloat16."""
     model, dataset = nodrop(net(torch.float32)), data(dtype=torch.float32)
@@ -149,6 +153,7 @@ def test_bf16_autocasts_the_forward_of_every_stage() -> None:
     assert max((a - c).abs().max() for a, c in zip(result.model.parameters(), fp32.parameters())) > 1e-4
 
 
+@pytest.mark.multiprocess
 def test_resume_keeps_the_schedulers_place(tmp_path: Path) -> None:
     kw = dict(lr_scheduler=STEP_LR, checkpoint_dir=tmp_path, **PIPELINE)
     train(epochs=1, **kw)
@@ -172,6 +177,7 @@ def test_bad_training_loop_options(kw, message) -> None:
         train(**PIPELINE, **kw)
 
 
+@pytest.mark.multiprocess
 def test_cli_trains_with_evaluation_and_plots_the_log(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "pipetrain.cli"]
     r = subprocess.run([*cmd, "train", "tests.test_training_loop:net", "--data", "tests.test_training_loop:data",

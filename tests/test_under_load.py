@@ -9,6 +9,8 @@ import pipetrain
 from pipetrain.data import regression
 from pt_models import BusyOn
 
+pytestmark = pytest.mark.multiprocess
+
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
 
 
