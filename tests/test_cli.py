@@ -53,15 +53,17 @@ def test_ctrl_c_stops_every_worker_in_one_line(tmp_path):
     import time
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
-                             "examples.mlp_job:data", "--stages", "0,4", "--loss", "mse_loss", "--epochs", "1000"],
+                             "examples.mlp_job:data", "--stages", "0,4", "--loss", "mse_loss", "--epochs", "100000"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob("pipetrain-*/history*.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)  # until the workers train
+    streaming = bool(list(tmp_path.glob("pipetrain-*/history*.jsonl")))
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    out, err = proc.communicate(timeout=60)
+    assert streaming, f"no worker streamed its history within 60 s: {sorted(p.name for p in tmp_path.rglob('*'))}"
+    assert proc.returncode == 130, (out[-500:], err[-2000:])
     said = [line for line in err.splitlines() if line.strip() and not line.startswith("pipetrain:  ")]  # bars
     assert said[-1].startswith("pipetrain train: interrupted; the workers were stopped"), err[-2000:]
     assert "Traceback" not in err
