@@ -55,7 +55,9 @@ def test_ctrl_c_stops_every_worker_in_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
                              "examples.mlp_job:data", "--stages", "0,4", "--loss", "mse_loss", "--epochs", "100000"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            # as from a terminal: a runner that ignores SIGINT (a background job) passes that on
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob("pipetrain-*/history*.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)  # until the workers train
