@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 
 from pipetrain import auto
 from pipetrain.batches import first_inputs
-from pipetrain.config import JobConfig, RunOptions, Training, check_request, shared_cores
+from pipetrain.config import JobConfig, RunOptions, Training, check_request
 from pipetrain.errors import PipetrainError, warn
 from pipetrain.layers import LayeredModel
 from pipetrain.layout import Layout
@@ -22,6 +22,7 @@ from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strateg
 from pipetrain.result import TrainResult, gather, write_trace
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import Start, metrics_log, run_rank
+from pipetrain.runtime.dist import check_backend
 from pipetrain.runtime.launch import spawn, under_torchrun
 
 Stages = Sequence[int | str] | Plan | str | os.PathLike
@@ -36,7 +37,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           threads: int | None = None, trace: bool | str | os.PathLike = False, progress: bool = False,
           lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip_grad_norm: float | None = None,
           eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
-          precision: str = "fp32", log_dir: str | os.PathLike | None = None) -> TrainResult:
+          precision: str = "fp32", log_dir: str | os.PathLike | None = None, backend: str = "auto") -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
     Args:
@@ -101,6 +102,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             autocast to bfloat16 (CPU and GPU); weights, gradients and updates stay in the model's dtype.
         log_dir: write ``metrics.jsonl`` there: one JSON line per update (``"kind": "update"``) and per
             evaluation (``"kind": "eval"``); ``pipetrain plot DIR`` draws it.
+        backend: ``"auto"`` (NCCL when every worker of a machine has a GPU of its own, else gloo),
+            ``"gloo"`` (several workers may share a GPU: what gloo cannot move on a GPU goes through
+            host memory) or ``"nccl"`` (a GPU per worker).
 
     Raises:
         ValueError: bad arguments (one line says which and what to do).
@@ -119,17 +123,16 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,
                      threads=threads, trace=bool(trace), progress=progress, log_dir=_path(log_dir),
-                     trace_dir=None if isinstance(trace, bool) else _path(trace))
+                     trace_dir=None if isinstance(trace, bool) else _path(trace), backend=backend)
     chosen = as_strategy(strategy)
     picked = None if schedule is None else as_schedule(schedule)
     if workers is None and under_torchrun() and (isinstance(chosen, Auto) or chosen.data_parallel):
         workers = int(os.environ["WORLD_SIZE"])
     check_request(chosen, picked, stages, workers, bandwidth)
-    threads_for = run.threads or shared_cores(workers or 1)
     choice = None
     if isinstance(chosen, Auto):
         assert workers is not None
-        auto_pick = auto.choose(training, workers, bandwidth, chosen.allow_compression, threads_for, timeout)
+        auto_pick = auto.choose(training, run, workers, bandwidth, chosen.allow_compression)
         chosen, picked, stages, choice = auto_pick.strategy, auto_pick.schedule, auto_pick.plan, auto_pick.choice
     if chosen.data_parallel:
         assert workers is not None
@@ -138,7 +141,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     else:
         picked = picked or as_schedule(DEFAULT_SCHEDULE)
         layers = LayeredModel(model, first_inputs(dataset, batch_size // picked.microbatches))
-        plan, predicted = _plan(training, picked, stages, workers, bandwidth, len(layers), threads_for, timeout)
+        plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers))
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
         cfg = JobConfig(training, run, chosen, picked, layout, layers)
@@ -148,14 +151,14 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     return result
 
 
-def _plan(training: Training, schedule: PipelineSchedule, stages: Stages | None, workers: int | None,
-          bandwidth: float | str | None, num_layers: int, threads: int, timeout: float) -> tuple[Plan | None, float | None]:
+def _plan(training: Training, run: RunOptions, schedule: PipelineSchedule, stages: Stages | None, workers: int | None,
+          bandwidth: float | str | None, num_layers: int) -> tuple[Plan | None, float | None]:
     """The plan ``stages`` names (a Plan, a plan JSON path, or ``"auto"``: made here), checked against the
     model's ``num_layers`` and the ``workers`` asked for, and its predicted samples/s; (None, None) for
     stages given as first layers."""
     if isinstance(stages, str) and stages == "auto":
         assert workers is not None
-        return auto.plan_stages(training, schedule, workers, bandwidth, threads, timeout)
+        return auto.plan_stages(training, run, schedule, workers, bandwidth)
     if not isinstance(stages, (str, os.PathLike, Plan)):
         return None, None
     plan = stages if isinstance(stages, Plan) else Plan.load(stages)
@@ -223,6 +226,7 @@ def _preflight(cfg: JobConfig) -> None:
             f"stages={list(cfg.layout.boundaries or ())}"
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} workers but {job} needs {cfg.world}; "
                          f"launch with --nproc-per-node/--nnodes giving {cfg.world} in all")
+    check_backend(cfg.run.backend, cfg.world)
     for option in ("checkpoint_dir", "log_dir"):
         directory = getattr(cfg.run, option)
         if directory is not None:

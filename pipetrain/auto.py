@@ -5,16 +5,18 @@ timing noise cannot give ranks different plans.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from pipetrain.batches import collate_parts, per_epoch
-from pipetrain.config import Training
+from pipetrain.batches import collate_parts, per_epoch, to_device
+from pipetrain.config import RunOptions, Training, shared_cores
 from pipetrain.errors import one_line
 from pipetrain.layers import LayerError
 from pipetrain.planning import Plan, plan
@@ -44,34 +46,38 @@ class Chosen:
     choice: dict[str, Any]
 
 
-def on_rank0(work: Callable[[], dict[str, Any]], timeout: float) -> dict[str, Any]:
+def on_rank0(work: Callable[[], dict[str, Any]], run: RunOptions) -> dict[str, Any]:
     """``work()`` here; under torchrun on rank 0 only, the others taking its result (plain data)."""
     if not under_torchrun():
         return work()
-    init_distributed(timeout)
+    init_distributed(run.timeout, run.backend)
     box: list[Any] = [work() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def measured_profile(t: Training, workers: int, threads: int, batch_size: int | None = None,
+def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int | None = None,
                      step_rows: int | None = None, ring_cpu: bool = True) -> Profile:
     """The model profiled on the first minibatch (of ``batch_size`` rows, default the job's) with the
-    workers' thread count and optimizer, building a minibatch from the dataset timed
+    workers' thread count and optimizer, on the device the workers will train on (a GPU where the
+    machine has one, a copy of the model there), building a minibatch from the dataset timed
     (:func:`pipetrain.profiling.time_batching`); with the run set-up of ``workers`` local workers
     measured (:func:`pipetrain.setup.measure_setup`), their shared work a training step on the
     minibatch's first ``step_rows`` samples (default: all; a data-parallel worker's shard prices that
     worker directly), our ring's CPU timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under
     torchrun, whose workers this process does not start, no set-up is measured."""
     rows = t.batch_size if batch_size is None else batch_size
+    threads = run.threads or shared_cores(workers)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = copy.deepcopy(t.model).to(device) if device.type == "cuda" else t.model
 
     def first(n: int) -> Any:
-        return collate_parts(t.dataset, range(min(n, t.items)), (0, 1))
+        return to_device(collate_parts(t.dataset, range(min(n, t.items)), (0, 1)), device)
 
     batch = first(rows)
     try:
         with torch_threads(threads):
-            measured = profile_model(t.model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2)
+            measured = profile_model(model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2)
             measured.inputs_s, measured.targets_s, measured.both_s = time_batching(t.dataset, rows)
     except LayerError:
         raise
@@ -81,20 +87,20 @@ def measured_profile(t: Training, workers: int, threads: int, batch_size: int | 
                          "fit (dtype, shape)") from e
     if not under_torchrun():
         step = batch if step_rows is None else first(step_rows)
-        measured.setup = measure_setup(workers, threads, model_step(t.model, tuple(step), t.loss_fn),
-                                       ring_bytes=measured.parameter_bytes, ring_cpu=ring_cpu)
+        measured.setup = measure_setup(workers, threads, model_step(model, tuple(step), t.loss_fn),
+                                       ring_bytes=measured.parameter_bytes, ring_cpu=ring_cpu, backend=run.backend)
     return measured
 
 
-def plan_stages(t: Training, schedule: PipelineSchedule, workers: int, bandwidth: float | str | None, threads: int,
-                timeout: float) -> tuple[Plan, float | None]:
+def plan_stages(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
+                bandwidth: float | str | None) -> tuple[Plan, float | None]:
     """``stages="auto"``: the plan for ``workers`` and its predicted samples/s (on rank 0 under torchrun)."""
-    found = on_rank0(lambda: _plan_here(t, schedule, workers, bandwidth or DEFAULT_BANDWIDTH, threads), timeout)
+    found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH), run)
     return Plan.from_dict(found["plan"]), found["predicted"]
 
 
-def _plan_here(t: Training, schedule: PipelineSchedule, workers: int, bandwidth: float | str,
-               threads: int) -> dict[str, Any]:
+def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
+               bandwidth: float | str) -> dict[str, Any]:
     """Profile, plan for ``bandwidth`` and predict this run's samples/s.
 
     [Note: one stage against the plan] The partitioner's model (PipeDream §3.2) lets a replicated
@@ -105,7 +111,7 @@ def _plan_here(t: Training, schedule: PipelineSchedule, workers: int, bandwidth:
     (:func:`pipetrain.result.training_rate`), on the links this run has (the measured transport locally,
     ``bandwidth`` under torchrun), from a profile and set-up taken at the microbatch for a microbatched
     schedule (:func:`pipetrain.profiling.as_minibatch`)."""
-    measured = measured_profile(t, workers, threads, ring_cpu=False)
+    measured = measured_profile(t, run, workers, ring_cpu=False)
     straight = not schedule.replicable
     candidates = [plan(measured, workers, bandwidth, straight=straight)]
     if not straight and len(candidates[0].stages) > 1:
@@ -113,7 +119,7 @@ def _plan_here(t: Training, schedule: PipelineSchedule, workers: int, bandwidth:
     link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
     m = schedule.microbatches
     at = measured if m == 1 else as_minibatch(
-        measured_profile(t, workers, threads, batch_size=t.batch_size // m, ring_cpu=False), m)
+        measured_profile(t, run, workers, batch_size=t.batch_size // m, ring_cpu=False), m)
     rates = [predict_plan(at, c, link, t.batch_size, schedule,
                           max(per_epoch(t.items, t.batch_size, math.lcm(*c.replicas)), 1), epoch=True)
              for c in candidates]
@@ -124,21 +130,21 @@ def _plan_here(t: Training, schedule: PipelineSchedule, workers: int, bandwidth:
     return {"plan": chosen.to_dict(), "predicted": rates[best] or None}
 
 
-def choose(t: Training, workers: int, bandwidth: float | str | None, allow_compression: bool, threads: int,
-           timeout: float) -> Chosen:
+def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,
+           allow_compression: bool) -> Chosen:
     """``strategy="auto"``: measure on rank 0, predict every strategy, print the table and the reason,
     and return the fastest with its options."""
     one_machine = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
 
     def work() -> dict[str, Any]:
         shard = t.batch_size // workers if t.batch_size % workers == 0 else t.batch_size
-        measured = measured_profile(t, workers, threads, step_rows=shard)
+        measured = measured_profile(t, run, workers, step_rows=shard)
         if measured.setup is not None:  # what the predictions below are priced with
             print(f"pipetrain: measured set-up: {measured.setup.describe()}", flush=True)
         return choose_strategy(measured, workers, bandwidth, batch_size=t.batch_size, one_machine=one_machine,
                                allow_compression=allow_compression).to_dict()
 
-    found = on_rank0(work, timeout)
+    found = on_rank0(work, run)
     choice = Choice.from_dict(found)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"pipetrain: strategy auto\n{choice.table()}\n{choice.reason}", flush=True)

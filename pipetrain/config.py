@@ -26,6 +26,7 @@ from pipetrain.layout import Layout
 from pipetrain.planning import Plan
 from pipetrain.registry import Auto, PipelineSchedule, Strategy
 from pipetrain.runtime import checkpoint
+from pipetrain.runtime.dist import BACKENDS
 from pipetrain.schedule import Schedule
 
 PRECISIONS = ("fp32", "bf16")
@@ -112,6 +113,7 @@ class RunOptions:
     trace_dir: str | None = None
     progress: bool = False
     log_dir: str | None = None
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.keep_checkpoints is not None and (isinstance(self.keep_checkpoints, bool) or
@@ -127,6 +129,8 @@ class RunOptions:
             raise ValueError("max_restarts needs checkpoint_dir: a restarted job resumes from the workers' checkpoints")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r}: give the seconds a worker waits on a silent peer (> 0)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"threads={self.threads!r}: give the torch threads per worker, at least 1 (or None: "

@@ -196,6 +196,44 @@ def lstm_lm(vocab: int = 96, embed: int = 64, hidden: int = 256, layers: int = 2
     return nn.Sequential(*mods)
 
 
+class Tokens(nn.Module):
+    """Token embeddings plus learned position embeddings: ``(N, T)`` ids -> ``(N, T, width)``."""
+
+    def __init__(self, vocab: int, width: int, context: int) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Parameter(torch.zeros(context, width))
+        nn.init.normal_(self.positions, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions[:ids.shape[1]]
+
+
+class CausalBlock(nn.Module):
+    """A pre-norm transformer block whose attention sees only earlier positions (GPT-2's block)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu",
+                                                batch_first=True, norm_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, T, width) -> (N, T, width)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device, dtype=x.dtype)
+        return self.layer(x, src_mask=mask, is_causal=True)
+
+
+def gpt_like(vocab: int = 50257, width: int = 768, depth: int = 12, heads: int = 12, context: int = 1024
+             ) -> nn.Sequential:
+    """GPT-2 small's shape (Radford et al. 2019) built from ``torch.nn``: token and position embeddings,
+    ``depth`` causal pre-norm blocks, a final LayerNorm and the vocabulary head, one pipeline layer each.
+    The defaults are GPT-2 small's sizes: 163M parameters with the head untied from the embedding (124M
+    tied, as GPT-2 has it).
+
+    Shapes: input ``(N, T)`` long token ids with ``T <= context``, output ``(N, vocab, T)``.
+    """
+    return nn.Sequential(Tokens(vocab, width, context), *[CausalBlock(width, heads) for _ in range(depth)],
+                         nn.LayerNorm(width), VocabLogits(width, vocab))
+
+
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 """The character vocabulary: newline and printable ASCII (96); other characters read as ``?``."""
 

@@ -23,7 +23,7 @@ def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(
     """The partitioner's plan, here forced to two stages with 2 x 40 kB crossing a link of 10 ms per
     message, against both layers on both workers: simulated, one stage is faster and is taken."""
     import pipetrain.auto as auto
-    from pipetrain.config import Training
+    from pipetrain.config import RunOptions, Training
 
     layers = [LayerProfile(str(i), 1 * MS, 2 * MS, 40_000, 100) for i in range(2)]
     slow_link = setup(cores=8, slowdown=1.0, latency_s=10 * MS, allreduce_latency_s=0.1 * MS, ring_s_per_byte=1e-9)
@@ -35,7 +35,7 @@ def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(
     data = TensorDataset(torch.zeros(64, 1), torch.zeros(64, 1))
     training = Training(model=nn.Linear(1, 1), dataset=data, loss_fn=nn.functional.mse_loss,
                         optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=8)
-    found = auto._plan_here(training, PipeDream(), 2, "1Gbit", 1)
+    found = auto._plan_here(training, RunOptions(threads=1), PipeDream(), 2, "1Gbit")
     chosen = Plan.from_dict(found["plan"])
     simulated = chosen.options["simulated_samples_per_s"]
     assert chosen.config == "2" and set(simulated) == {"1-1", "2"}

@@ -116,3 +116,31 @@ def test_a_valid_job_says_what_each_rank_runs() -> None:
     stale = JobConfig(training(), RunOptions(), pipetrain.PipeSGD(warmup_epochs=1), None, Layout.data_parallel_on(2))
     in_epoch = [" ".join(map(str, stale.schedule_for(epoch, 2).actions[0])) for epoch in (0, 1)]
     assert in_epoch == ["F0 B0 A0 S0 U0 F1 B1 A1 S1 U1", "F0 B0 A0 F1 B1 A1 S0 U0 S1 U1"]  # warm-up: K = 1
+
+
+def test_the_backend_is_checked_before_any_worker_starts(monkeypatch) -> None:
+    """``auto`` is gloo without a GPU per worker; ``nccl`` without one is refused in one line, before the
+    launcher runs (the fast tier fails any test that starts a process)."""
+    from pipetrain.runtime.dist import check_backend, resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert resolve_backend("auto", 2) == "gloo" and resolve_backend("nccl", 2) == "nccl"
+    with pytest.raises(ValueError, match=r"backend='nccl' needs a GPU per worker, but 2 workers on this machine "
+                                         r"would share 0 GPUs \(NCCL refuses two ranks on one GPU\)"):
+        check_backend("nccl", 2)
+    with pytest.raises(ValueError, match="backend='mpi': use one of 'auto', 'gloo', 'nccl'"):
+        RunOptions(backend="mpi")
+    t = training()
+    with pytest.raises(ValueError, match="backend='nccl' needs a GPU per worker"):
+        pipetrain.train(t.model, t.dataset, loss_fn=t.loss_fn, optimizer=t.optimizer, stages=[0, 2], batch_size=8,
+                        backend="nccl")
+
+
+def test_gpu_tensors_cross_gloo_through_host_memory_and_nccl_as_they_are(monkeypatch) -> None:
+    from pipetrain.runtime import dist as pt_dist
+
+    cuda = torch.device("cuda", 0)
+    for backend, wire in (("gloo", torch.device("cpu")), ("nccl", cuda)):
+        monkeypatch.setattr(pt_dist.dist, "get_backend", lambda group=None, b=backend: b)
+        assert pt_dist.wire_device(cuda) == wire and pt_dist.wire_device(torch.device("cpu")) == torch.device("cpu")

@@ -16,6 +16,7 @@ from pipetrain.cli.common import (
 from pipetrain import data, zoo
 from pipetrain.api import train
 from pipetrain.metrics import METRICS, accuracy, plot_log
+from pipetrain.runtime.dist import BACKENDS
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, Auto, from_options
 from pipetrain.strategies.compression import CODECS
 
@@ -105,6 +106,9 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="scale gradients to this norm at most (data parallel: global; pipeline: per stage)")
     p.add_argument("--precision", default="fp32", help="fp32 or bf16 (autocast the forward and loss to bfloat16)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="auto (NCCL when every worker has a GPU of its own, else gloo), gloo (workers may share a "
+                        "GPU) or nccl")
     p.add_argument("--log-dir", default=None, help="write DIR/metrics.jsonl (one line per update and evaluation); "
                                                    "`pipetrain plot DIR` draws it")
 
@@ -124,7 +128,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
         metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
-        clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir)
+        clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir, backend=args.backend)
     for r in result.restarts:
         after = f"after epoch {r['resumed_after_epoch']}" if r["resumed_after_epoch"] is not None else "from the start"
         print(f"restarted {after}: {r['error']}")

@@ -23,7 +23,7 @@ from pipetrain.batches import epoch_order, per_epoch, to_device
 from pipetrain.config import JobConfig
 from pipetrain.layers import LayeredModel
 from pipetrain.runtime import checkpoint
-from pipetrain.runtime.dist import init_distributed
+from pipetrain.runtime.dist import init_distributed, wire_device
 from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
@@ -53,7 +53,7 @@ def run_rank(cfg: JobConfig, start: Start) -> dict[str, Any]:
     """Train this rank's part; return its state, history (reporting ranks) and trace, as plain data."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     prepare_process(cfg)
-    device = init_distributed(cfg.run.timeout)
+    device = init_distributed(cfg.run.timeout, cfg.run.backend)
     result = _train(cfg, start, rank, world, device)
     # only after success: teardown with a dead peer can block, and on failure the launcher
     # (ours or torchrun) stops every process anyway
@@ -227,8 +227,9 @@ def agree_buffers(module: nn.Module, world: int) -> None:
         return
     for buf in module.buffers():
         if buf.is_floating_point():
-            parts = [torch.empty_like(buf) for _ in range(world)]
-            dist.all_gather(parts, buf.detach().contiguous())
+            mine = buf.detach().contiguous().to(wire_device(buf.device))  # gloo gathers host tensors only
+            parts = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(parts, mine)
             total = parts[0]
             for part in parts[1:]:
                 total.add_(part)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.errors import first_line
+from pipetrain.runtime.dist import wire_device
 
 HEADER_LEN = 128
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -86,7 +87,8 @@ class Transport:
         edges: every directed edge (src, dst) of the job, identical on all ranks; a group is made
             for each, collectively, so every rank must pass the same list.
         describe: maps a rank to the words that name it in errors, e.g. ``"stage 1 (rank 1)"``.
-        device: where received tensors are placed (CPU for gloo, the worker's GPU for NCCL).
+        device: where tensors live: the worker's GPU or the CPU. Received tensors are placed there;
+            gloo moves a GPU's tensors through host memory (:func:`pipetrain.runtime.dist.wire_device`).
         timeout: seconds to wait for a message before declaring the peer silent.
     """
 
@@ -94,6 +96,7 @@ class Transport:
                  timeout: float) -> None:
         self.rank, self.device, self.timeout, self.describe = rank, device, timeout, describe
         self._groups = {e: dist.new_group(list(e)) for e in sorted(edges)}
+        self.wire = wire_device(device)  # where the backend takes the tensors from and puts them
         self._inbox: dict[tuple[int, int, int | None], Message] = {}
         self._cond = threading.Condition()
         self._errors: dict[int, BaseException] = {}
@@ -118,11 +121,11 @@ class Transport:
         try:
             while True:
                 msg = self._out[peer].get()
-                dist.send(_encode(msg, self.device), peer, group=group)
+                dist.send(_encode(msg, self.wire), peer, group=group)
                 if msg is None:
                     return
                 for t in msg.tensors:
-                    dist.send(t, peer, group=group)
+                    dist.send(t.to(self.wire), peer, group=group)
         except BaseException as e:  # noqa: BLE001 - handed to the compute thread
             with self._cond:
                 self._errors[peer] = e
@@ -131,7 +134,7 @@ class Transport:
     def _recv_loop(self, peer: int, group) -> None:
         try:
             while True:
-                head = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                head = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
                 dist.recv(head, peer, group=group)
                 mb, micro, version, is_tuple, specs = _decode(head.cpu())
                 if specs is None:
@@ -141,9 +144,9 @@ class Transport:
                     return
                 tensors = []
                 for dtype, shape in specs:
-                    t = torch.empty(shape, dtype=dtype, device=self.device)
+                    t = torch.empty(shape, dtype=dtype, device=self.wire)
                     dist.recv(t, peer, group=group)
-                    tensors.append(t)
+                    tensors.append(t.to(self.device))
                 with self._cond:
                     self._inbox[(peer, mb, micro)] = Message(mb, micro, version, tensors, is_tuple)
                     self._cond.notify_all()

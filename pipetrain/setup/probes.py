@@ -37,7 +37,7 @@ Launcher = Callable[[Callable[..., Any], tuple, int], list[Any]]
 def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None = None, seconds: float = 0.3,
                   rounds: int = 20, timeout: float = 60.0, launch: Launcher | None = None,
                   compute_rounds: int = 3, ring_bytes: int | None = None, ring_cpu: bool = True,
-                  settle_s: float = SETTLE_SECONDS) -> Setup:
+                  settle_s: float = SETTLE_SECONDS, backend: str = "auto") -> Setup:
     """Measure the set-up of ``workers`` worker processes of ``threads`` torch threads on this machine.
 
     It starts max(2, ``workers``) processes with ``launch`` (default: the runtime's launcher; the
@@ -61,7 +61,8 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     two of :data:`~pipetrain.setup.ring.RING_BYTES` and with no codec. Only pipe-sgd's prediction
     reads our ring's CPU: with ``ring_cpu=False`` (a pipeline's planning) it is not measured, as it
     makes the set-up of a large gradient take about half as long again, and on a slow link each of
-    those rings takes seconds.
+    those rings takes seconds. The workers join on ``backend``, as the job's will
+    (:data:`pipetrain.runtime.dist.BACKENDS`).
     """
     kernel = kernel or functools.partial(matmul, 256)
     run = launch or (lambda fn, args, world: spawn(fn, world, args, describe="set-up probe {}".format))
@@ -71,21 +72,21 @@ def measure_setup(workers: int, threads: int, kernel: Callable[[], Any] | None =
     shared = workers >= 2 and workers * threads > (os.cpu_count() or 1)
     allreduce_bytes = min(BUCKET_BYTES, ring_bytes or BUCKET_BYTES)
     results = run(_probe, (workers, threads, kernel, seconds, rounds, timeout, compute_rounds, settle_s,
-                           sizes if ring_cpu else None, codec_bytes, shared, allreduce_bytes),
+                           sizes if ring_cpu else None, codec_bytes, shared, allreduce_bytes, backend),
                   max(2, workers))
     return Setup(**results[0])
 
 
 def _probe(workers: int, threads: int, kernel: Callable[[], Any], seconds: float, rounds: int,
            timeout: float, compute_rounds: int, settle_s: float, ring_cpu_bytes: tuple[int, int] | None,
-           codec_bytes: int, shared: bool, allreduce_bytes: int) -> dict[str, Any]:
+           codec_bytes: int, shared: bool, allreduce_bytes: int, backend: str) -> dict[str, Any]:
     """One rank of :func:`measure_setup`; rank 0 returns the Setup's fields. ``ring_cpu_bytes``: the
     two gradients our ring's CPU is timed at (None: not timed); ``codec_bytes``: the one it is timed at
     with each lossy codec too (0: none), and, where the workers share cores (``shared``), pipe-sgd's
     loop with each codec (:func:`~pipetrain.setup.ring.pipe_sgd_period`); ``allreduce_bytes``: the
     gradient the backend's allreduce is timed at beside 1 element."""
     torch.set_num_threads(threads)
-    device = init_distributed(timeout)
+    device = init_distributed(timeout, backend)
     rank = dist.get_rank()
     ratios, jitters, steps = sample_compute(workers, threads, kernel, seconds, compute_rounds, settle_s, rank, device)
     slowdown, step_s = (statistics.median(ratios) if workers > 1 else 1.0), statistics.median(steps)

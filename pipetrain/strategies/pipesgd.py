@@ -46,6 +46,8 @@ class RingSync(GradSync):
 
     Attributes:
         ring_seconds: how long each ring allreduce took on the communication thread.
+        ring_spans: per ring allreduce, ``(minibatch, start, end)`` in ``time.perf_counter`` seconds (the
+            clock of the worker's trace), from taking the job off the queue to the reduced gradient.
     """
 
     def __init__(self, group: dist.ProcessGroup, workers: int, codec: Codec, device: torch.device,
@@ -53,6 +55,7 @@ class RingSync(GradSync):
         self.group, self.workers, self.codec, self.device, self.timeout = group, workers, codec, device, timeout
         self.bytes_sent = 0
         self.ring_seconds: list[float] = []
+        self.ring_spans: list[tuple[int, float, float]] = []
         self._shapes: list[tuple[torch.Size, int]] | None = None  # per parameter: shape, numel
         self._block = 0
         self._jobs: queue.Queue[tuple[int, torch.Tensor, Any] | None] = queue.Queue()
@@ -106,7 +109,7 @@ class RingSync(GradSync):
         self._thread.join(self.timeout)
 
     def stats(self) -> dict[str, Any]:
-        return {"ring_seconds": list(self.ring_seconds)}
+        return {"ring_seconds": list(self.ring_seconds), "ring_spans": list(self.ring_spans)}
 
     def _take(self, params: list[torch.Tensor]) -> torch.Tensor:
         """A zeroed-padding buffer for one minibatch's gradient; the one lent to ``.grad`` comes back."""
@@ -140,7 +143,9 @@ class RingSync(GradSync):
                     done_event.synchronize()
                 else:
                     done, done_event = self._reduce(buf), None
-                self.ring_seconds.append(time.perf_counter() - t0)
+                end = time.perf_counter()
+                self.ring_seconds.append(end - t0)
+                self.ring_spans.append((mb, t0, end))
                 self._done.put(mb, (done, done_event))
         except BaseException as e:  # noqa: BLE001 - handed to the compute thread at its next wait
             self._done.fail(e)

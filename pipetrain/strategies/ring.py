@@ -25,10 +25,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipetrain.runtime.dist import wire_device
 from pipetrain.strategies.compression import Codec
 
 __all__ = ["block_size", "ring_allreduce", "ring_compute_seconds"]
@@ -87,11 +89,19 @@ def ring_allreduce(blocks: torch.Tensor, group: dist.ProcessGroup | None, codec:
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     nxt, prv = ranks[(r + 1) % p], ranks[(r - 1) % p]  # P2P ops take global ranks
 
-    def post(send: torch.Tensor, recv: torch.Tensor) -> list[dist.Work]:
+    staged = wire_device(blocks.device, group) != blocks.device
+
+    def post(send: torch.Tensor, recv: torch.Tensor) -> list[Any]:
         """One chunk of one hop: send to the next rank, receive from the previous, as one batch (so
-        NCCL pairs them; every rank posts its (hop, chunk) batches in the same order)."""
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group=group),
-                                       dist.P2POp(dist.irecv, recv, prv, group=group)])
+        NCCL pairs them; every rank posts its (hop, chunk) batches in the same order). Where the
+        backend cannot move the device's tensors (gloo on a GPU), both go through host memory."""
+        if not staged:
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group=group),
+                                           dist.P2POp(dist.irecv, recv, prv, group=group)])
+        out, into = send.cpu(), torch.empty(recv.shape, dtype=recv.dtype)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt, group=group),
+                                        dist.P2POp(dist.irecv, into, prv, group=group)])
+        return [_Staged(works, out, into, recv)]
 
     chunks = _chunks(b, codec, blocks.dtype)
     if codec.lossy:
@@ -134,6 +144,17 @@ def _chunks(b: int, codec: Codec, dtype: torch.dtype) -> list[Chunk]:
 def _wait(works: list) -> None:
     for work in works:
         work.wait()
+
+
+class _Staged:
+    """A hop through host memory: once its send and receive are done, what arrived lands on the device."""
+
+    def __init__(self, works: list[Any], sent: torch.Tensor, arrived: torch.Tensor, into: torch.Tensor) -> None:
+        self.works, self.sent, self.arrived, self.into = works, sent, arrived, into  # ``sent`` lives until done
+
+    def wait(self) -> None:
+        _wait(self.works)
+        self.into.copy_(self.arrived)
 
 
 def _ring_raw(blocks: torch.Tensor, r: int, p: int, chunks: list[Chunk], post: Post, recv: torch.Tensor) -> None:
