@@ -22,7 +22,7 @@ from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strateg
 from pipetrain.result import TrainResult, gather, write_trace
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import Start, metrics_log, run_rank
-from pipetrain.runtime.dist import check_backend
+from pipetrain.runtime.dist import check_backend, local_workers
 from pipetrain.runtime.launch import spawn, under_torchrun
 
 Stages = Sequence[int | str] | Plan | str | os.PathLike
@@ -231,7 +231,7 @@ def _preflight(cfg: JobConfig) -> None:
         directory = getattr(cfg.run, option)
         if directory is not None:
             _check_writable(Path(directory), option)
-    cfg.strategy.check_host(cfg.training.model, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world)))
+    cfg.strategy.check_host(cfg.training.model, local_workers(cfg.world))
 
 
 def _check_writable(directory: Path, name: str) -> None:

@@ -26,7 +26,7 @@ from pipetrain.layout import Layout
 from pipetrain.planning import Plan
 from pipetrain.registry import Auto, PipelineSchedule, Strategy
 from pipetrain.runtime import checkpoint
-from pipetrain.runtime.dist import BACKENDS
+from pipetrain.runtime.dist import BACKENDS, local_workers
 from pipetrain.schedule import Schedule
 
 PRECISIONS = ("fp32", "bf16")
@@ -252,8 +252,7 @@ def _count_pairs(dataset: Dataset, what: str) -> int:
 def shared_cores(workers: int) -> int:
     """Torch threads per worker when not given: this machine's cores shared by its workers (torchrun's
     ``LOCAL_WORLD_SIZE`` of them, else all ``workers``)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", workers))
-    return max(1, (os.cpu_count() or 1) // local)
+    return max(1, (os.cpu_count() or 1) // local_workers(workers))
 
 
 def check_request(strategy: Strategy | Auto, schedule: PipelineSchedule | None, stages: Any, workers: Any,

@@ -7,7 +7,7 @@ a data-parallel layout is one stage whose workers each take a shard of every min
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,16 @@ class Layout:
     replicas: tuple[int, ...]
     boundaries: tuple[int, ...] | None = None
     sharded: bool = False
+    # per rank its stage, per stage its first rank: the simulator and the workers ask for every action
+    _stage_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _firsts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.replicas or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
                                         for r in self.replicas):
             raise ValueError(f"replicas {list(self.replicas)}: give a worker count of at least 1 for every stage")
+        object.__setattr__(self, "_stage_of", tuple(s for s, r in enumerate(self.replicas) for _ in range(r)))
+        object.__setattr__(self, "_firsts", tuple(sum(self.replicas[:s]) for s in range(len(self.replicas))))
         if self.sharded and len(self.replicas) != 1:
             raise ValueError(f"a data-parallel layout has one stage, not {len(self.replicas)}")
         if self.boundaries is None:
@@ -61,7 +66,7 @@ class Layout:
     @property
     def world(self) -> int:
         """Workers in all."""
-        return sum(self.replicas)
+        return len(self._stage_of)
 
     @property
     def num_stages(self) -> int:
@@ -78,13 +83,12 @@ class Layout:
         return 1 if self.sharded else math.lcm(*self.replicas)
 
     def stage_of(self, rank: int) -> int:
-        for stage, end in enumerate(self._ends()):
-            if rank < end:
-                return stage
-        raise ValueError(f"rank {rank} is not one of the layout's {self.world} workers")
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is not one of the layout's {self.world} workers")
+        return self._stage_of[rank]
 
     def first_rank(self, stage: int) -> int:
-        return sum(self.replicas[:stage])
+        return self._firsts[stage]
 
     def replica_of(self, rank: int) -> int:
         """Which of its stage's replicas ``rank`` is (0-based)."""
@@ -122,6 +126,3 @@ class Layout:
             return 0, num_layers - 1
         ends = [*self.boundaries[1:], num_layers]
         return self.boundaries[stage], ends[stage] - 1
-
-    def _ends(self) -> list[int]:
-        return [sum(self.replicas[:s + 1]) for s in range(self.num_stages)]

@@ -172,8 +172,10 @@ def predict_on_host(profile: Profile, workers: int, chunk: int, batch_size: int 
                         **({"minibatches": minibatches} if minibatches else {}))
 
 
-def best_chunk(profile: Profile, workers: int, batch_size: int | None, host: dict[str, float]) -> int:
-    """The layers per chunk CGDP's cost model predicts fastest with ``host`` (:func:`host_costs`).
+def best_chunk(profile: Profile, workers: int, batch_size: int | None, host: dict[str, float],
+               update_s: float | None = None, minibatches: int | None = None) -> CGDPPrediction:
+    """The prediction at the layers per chunk CGDP's cost model prices fastest with ``host``
+    (:func:`host_costs`), every size priced as :func:`predict_on_host` prices one.
 
     [Note: fewest chunks] Of the sizes the model prices alike, the one with the fewest chunks: every
     chunk costs the backward more than the model charges it (its signals' CPU only, nothing with a core
@@ -181,7 +183,8 @@ def best_chunk(profile: Profile, workers: int, batch_size: int | None, host: dic
     chunk size's overhead).
     """
     units = sum(1 for x in profile.layers if x.parameter_bytes)
-    found = {k: predict_on_host(profile, workers, k, batch_size, host) for k in range(1, max(units, 1) + 1)}
-    rates = {k: p.samples_per_s for k, p in found.items()}
-    best = max(rates.values())
-    return min((k for k in rates if rates[k] >= best * (1 - 1e-9)), key=lambda k: (len(found[k].chunks), k))
+    found = {k: predict_on_host(profile, workers, k, batch_size, host, update_s, minibatches)
+             for k in range(1, max(units, 1) + 1)}
+    best = max(p.samples_per_s for p in found.values())
+    return found[min((k for k, p in found.items() if p.samples_per_s >= best * (1 - 1e-9)),
+                     key=lambda k: (len(found[k].chunks), k))]

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.layers import LayeredModel, LayerError
+from pipetrain.runtime.dist import local_workers
 from pipetrain.strategies.base import GradSync, Mailbox, SyncContext, Weights
 from pipetrain.strategies.chunks import ChunkSearch, chunk_layout
 from pipetrain.timing import median_seconds
@@ -359,7 +360,7 @@ def cgdp(ctx: SyncContext, chunk: int | str) -> GradSync:
         ValueError: the world size is not a multiple of the workers per machine.
     """
     world = ctx.layout.world
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = local_workers(world)
     if world % local:
         raise ValueError(f"cgdp needs the same number of workers on every machine; {world} workers in all "
                          f"but LOCAL_WORLD_SIZE={local}")

@@ -272,10 +272,11 @@ class CGDP(Strategy):
         """CGDP eq. 1-2 at its chunk size, or with ``"auto"`` at the size the model prices fastest
         (:func:`pipetrain.predict.cgdp.best_chunk`)."""
         costs = host_costs(profile, workers, host)
-        chunk = best_chunk(profile, workers, batch_size, costs) if self.chunk == "auto" else self.chunk
-        assert isinstance(chunk, int)
-        found = predict_on_host(profile, workers, chunk, batch_size, costs, update_s, minibatches)
-        return Priced(found.samples_per_s, CGDP(chunk=chunk), detail=found)
+        if isinstance(self.chunk, int):
+            found = predict_on_host(profile, workers, self.chunk, batch_size, costs, update_s, minibatches)
+        else:
+            found = best_chunk(profile, workers, batch_size, costs, update_s, minibatches)
+        return Priced(found.samples_per_s, CGDP(chunk=found.chunk), detail=found)
 
     def options(self) -> dict[str, Any]:
         return {"strategy": self.name, "chunk": self.chunk}
