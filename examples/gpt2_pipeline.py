@@ -24,15 +24,15 @@ import pipetrain
 VOCAB, CONTEXT = 128, 32
 
 
-def model(layers: int = 4, width: int = 64, dropout: float = 0.1, seed: int = 0) -> torch.nn.Module:
-    """A GPT-2 language model at random init. Its word embedding and output layer are untied: tied,
-    they would sit on the first and the last stage, each training its own copy."""
+def model(layers: int = 4, width: int = 64, dropout: float = 0.1, seed: int = 0, tied: bool = True) -> torch.nn.Module:
+    """A GPT-2 language model at random init. Its word embedding and output layer are tied, as GPT-2's
+    are: the first and the last stage each hold a copy, kept identical."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=width, n_layer=layers, n_head=4,
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
-                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+                        tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -138,6 +138,17 @@ class RunOptions:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """A parameter that layers of several stages read (tied weights): each of those stages holds a copy.
+
+    The first of them owns it: its optimizer updates it with the sum of every copy's gradient and sends
+    the new value to the others (:mod:`pipetrain.runtime.tied`)."""
+
+    name: str  # the parameter's first name in the model
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """Everything every rank needs, validated once (``__post_init__``) before any process starts.
 
@@ -150,6 +161,7 @@ class JobConfig:
         layers: the model cut into layers, where the caller has it (a pipeline's stages are checked
             against it; made here when not given). An init-only argument: the configuration does not
             hold it, as every worker cuts its own copy of the model.
+        ties: the parameters several stages read (found from ``layers``); () for data parallelism.
     """
 
     training: Training
@@ -158,6 +170,7 @@ class JobConfig:
     schedule: PipelineSchedule | None
     layout: Layout
     layers: InitVar[LayeredModel | None] = None
+    ties: tuple[Tie, ...] = field(default=(), init=False)
 
     def __post_init__(self, layers: LayeredModel | None) -> None:
         t, layout = self.training, self.layout
@@ -184,13 +197,21 @@ class JobConfig:
                              f"({t.batch_size * layout.rounds}); use a smaller batch_size")
 
     def _check_stages(self, layers: LayeredModel) -> None:
-        assert self.layout.boundaries is not None
+        assert self.layout.boundaries is not None and self.schedule is not None
         check_boundaries(list(self.layout.boundaries), len(layers))
-        shared = layers.shared_parameters(list(self.layout.boundaries))
-        if shared:
-            name, stages = next(iter(shared.items()))
-            raise ValueError(f"parameter {name} is used by stages {stages} (tied weights), and each stage would train "
-                             "its own copy; untie it (Hugging Face: tie_word_embeddings=False) or cut elsewhere")
+        ties = tuple(Tie(name, tuple(stages)) for name, stages in
+                     layers.shared_parameters(list(self.layout.boundaries)).items())
+        for tie in ties:
+            replicated = [s for s in tie.stages if self.layout.replicas[s] > 1]
+            if replicated:
+                raise ValueError(f"parameter {tie.name} is tied across stages {list(tie.stages)}, and stage "
+                                 f"{replicated[0]} is replicated; a tied parameter needs one worker on each stage "
+                                 "that uses it: replicate other stages, or cut so one stage holds every use")
+            if any(self.policy_name(s) == "naive" for s in tie.stages):
+                raise ValueError(f"parameter {tie.name} is tied across stages {list(tie.stages)}, and schedule "
+                                 f"{self.schedule.name!r} recomputes each backward with whatever weights are "
+                                 "current, so the copies' gradients have no version to agree on; use pipedream")
+        object.__setattr__(self, "ties", ties)
 
     @property
     def data_parallel(self) -> bool:

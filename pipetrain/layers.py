@@ -109,16 +109,43 @@ class LayeredModel:
         return split_points(stages, self.labels, type(self.model).__name__)
 
     def shared_parameters(self, boundaries: list[int]) -> dict[str, list[int]]:
-        """Trainable parameters read by layers of more than one stage (tied weights), with those stages."""
+        """Trainable parameters read by layers of more than one stage (tied weights), with those stages.
+
+        A parameter counts wherever a layer reads it: an attribute read (``F.linear(x, self.emb.weight)``)
+        or a submodule call whose module holds it (``self.head.weight = self.emb.weight``, or the children
+        of an ``nn.Sequential``). Each goes by its first name in ``model.named_parameters()``."""
+        out = {}
+        for name, (layers, _) in self.tied_layers().items():
+            stages = sorted({sum(k >= b for b in boundaries) - 1 for k in layers})
+            if len(stages) > 1:
+                out[name] = stages
+        return out
+
+    def tied_layers(self) -> dict[str, tuple[list[int], int]]:
+        """Trainable parameters that several layers read, by first name: those layers and its bytes."""
+        users: dict[int, tuple[nn.Parameter, set[int]]] = {}
+        for k, params in enumerate(self._reads()):
+            for p in params:
+                if p.requires_grad:
+                    users.setdefault(id(p), (p, set()))[1].add(k)
+        first: dict[int, str] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), name)
+        return {first[i]: (sorted(ks), p.numel() * p.element_size()) for i, (p, ks) in users.items()
+                if len(ks) > 1 and i in first}
+
+    def _reads(self) -> list[list[nn.Parameter]]:
+        """The parameters each layer reads."""
         if self._graph is None:
-            return {}
-        stage_of = {n: sum(k >= b for b in boundaries) - 1 for k, n in enumerate(self._nodes)}
-        users: dict[str, set[int]] = {}
-        for n in self._graph.nodes:
-            if n.op == "get_attr" and isinstance(_attr(self._root, n.target), nn.Parameter):
-                found = users.setdefault(_attr_name(self._root, n.target), set())
-                found.update(stage_of[u] for u in n.users if u in stage_of)
-        return {name: sorted(s) for name, s in users.items() if len(s) > 1 and _attr(self._root, name).requires_grad}
+            assert isinstance(self.model, nn.Sequential)
+            return [list(child.parameters()) for child in self.model.children()]
+        reads: list[list[nn.Parameter]] = []
+        for n in self._nodes:
+            found = [_attr(self._root, a.target) for a in n.all_input_nodes if a.op == "get_attr"]
+            if n.op == "call_module":
+                found += list(self._root.get_submodule(str(n.target)).parameters())
+            reads.append([p for p in found if isinstance(p, nn.Parameter)])
+        return reads
 
     def __len__(self) -> int:
         return len(self.names)
@@ -305,12 +332,6 @@ def _attr(root: nn.Module, target: Any) -> Any:
     for part in str(target).split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _attr_name(root: nn.Module, target: Any) -> str:
-    """``target``'s name among ``root``'s parameters (tied parameters go by their first name)."""
-    param = _attr(root, target)
-    return next((n for n, p in root.named_parameters(remove_duplicate=False) if p is param), str(target))
 
 
 def split_points(stages: Sequence[int | str], labels: Sequence[str], model: str) -> list[int]:

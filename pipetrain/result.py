@@ -97,6 +97,13 @@ def gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], 
     for part in parts:
         state.update(part["state"])
     full = copy.deepcopy(model)
+    aliases: dict[int, list[str]] = {}  # a tied parameter's names; a stage may hold it under any of them
+    for key, p in full.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(key)
+    for names in aliases.values():
+        held = next((state[k] for k in names if k in state), None)
+        if held is not None:
+            state.update({k: held for k in names if k not in state})
     missing = set(full.state_dict()) - set(state)
     if missing:
         raise PipetrainError(f"no stage returned {sorted(missing)[:3]}; those tensors are not used in "

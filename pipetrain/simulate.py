@@ -23,7 +23,11 @@ data-parallel and CGDP predictions built on this engine live in :mod:`pipetrain.
   what the caller gives (e.g. Pipe-SGD's ring model, :func:`pipetrain.costs.ring_allreduce_time`);
   syncs do not compete with the pipeline's transfers for the links;
 * ``S`` lasts until its sync has ended (its record includes the wait);
-* ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers).
+* ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers);
+  with a tied parameter (the profile's ``ties`` across stages) a borrowing stage's ``U`` first sends
+  its gradient to the owning stage, whose ``U`` waits for every such gradient and then sends each
+  borrower the new value; a borrower's first forward of a minibatch waits for the value of the
+  version the input stage ran it at (:mod:`pipetrain.runtime.tied`).
 
 [Note: run set-up] A profile that carries a measured :class:`pipetrain.setup.Setup` (workers on one
 machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`:
@@ -57,7 +61,6 @@ import bisect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 from pipetrain import costs
@@ -68,73 +71,13 @@ from pipetrain.schedule import Schedule, validate
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
 )
-from pipetrain.stagecost import StageCost, shard_priced, stage_costs
+from pipetrain.stagecost import tied_stages, StageCost, shard_priced, stage_costs
 from pipetrain.strategies.allreduce import buckets, last_bucket_bytes
+from pipetrain.simresult import Link, SimResult
 from pipetrain.trace import Record
 
 COMPUTING = (FORWARD, BACKWARD, UPDATE)
 """The actions that hold a worker's core and interpreter."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """One direction of a point-to-point link: one transfer at a time, FIFO.
-
-    Attributes:
-        bandwidth_Bps: bytes per second (``math.inf``: free transfers).
-        latency_s: seconds added to every transfer.
-    """
-
-    bandwidth_Bps: float = math.inf
-    latency_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_Bps > 0 or not self.latency_s >= 0:
-            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self.bandwidth_Bps} B/s, "
-                             f"{self.latency_s} s")
-
-    def transfer_s(self, nbytes: float) -> float:
-        """Seconds one transfer of ``nbytes`` occupies the link (PipeDream §3.2: bytes / bandwidth)."""
-        return self.latency_s + nbytes / self.bandwidth_Bps
-
-
-@dataclass
-class SimResult:
-    """What a simulation predicts.
-
-    Attributes:
-        minibatches_per_s: steady-state throughput, measured as the runtime measures it: the
-            minibatches of the output stage's optimizer steps after its first, over the time from its
-            first step to its last. With a single step (one minibatch of a flush schedule), all
-            minibatches over the makespan.
-        samples_per_s: ``minibatches_per_s`` times the batch size; None when the batch size is unknown.
-        makespan_s: when the last worker finishes.
-        busy_fraction: per worker, compute (F and B) seconds / makespan.
-        bubble_fraction: 1 - mean busy fraction; for GPipe with equal stages and free communication
-            this is the GPipe paper's (p - 1) / (m + p - 1) (arXiv:1811.06965 §2.2).
-        peak_weight_versions: per worker, the most distinct weight versions held for minibatches
-            in flight (weight stashing, PipeDream §3.4); 1 for schedules that do not stash.
-        peak_activation_bytes: per worker, the most activation bytes stashed for (micro)batches in
-            flight (PipeDream §3.5).
-        trace: per worker, ``(action_text, start_s, end_s)`` records, the runtime's trace format.
-    """
-
-    minibatches_per_s: float
-    samples_per_s: float | None
-    makespan_s: float
-    busy_fraction: list[float]
-    bubble_fraction: float
-    peak_weight_versions: list[int]
-    peak_activation_bytes: list[float]
-    trace: list[list[Record]] = field(repr=False)
-
-    def to_dict(self) -> dict[str, object]:
-        """Every field but the trace, as plain JSON-ready data."""
-        return {"minibatches_per_s": self.minibatches_per_s, "samples_per_s": self.samples_per_s,
-                "makespan_s": self.makespan_s,
-                "busy_fraction": self.busy_fraction, "bubble_fraction": self.bubble_fraction,
-                "peak_weight_versions": self.peak_weight_versions,
-                "peak_activation_bytes": self.peak_activation_bytes}
 
 
 def link_terms(link: Link, setup: Setup | None, allreduce: Literal["ours", "backend"] | None = None,
@@ -158,8 +101,19 @@ class _Sim:
     def __init__(self, schedule: Schedule, stages: list[StageCost], link: Link,
                  update_s: Sequence[float] | None, sync_s: Sequence[float] | None, setup: Setup | None,
                  contention: float, shares: Sequence[float] | None = None,
-                 others: Sequence[Sequence[float]] | None = None) -> None:
+                 others: Sequence[Sequence[float]] | None = None,
+                 ties: Sequence[tuple[list[int], int]] = ()) -> None:
         self.sched, self.costs, self.link, self.setup = schedule, stages, link, setup
+        # tied parameters (stages reading it, bytes): the owner's and each borrower's counterparts
+        rank = schedule.layout.first_rank
+        self.borrowers: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        self.lenders: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for tied, nbytes in ties:
+            for s in tied[1:]:
+                self.borrowers[rank(tied[0])].append((rank(s), nbytes))
+                self.lenders[rank(s)].append((rank(tied[0]), nbytes))
+        self.input_version: dict[int, int] = {}  # minibatch -> the input stage's version at its forward
+        self.tied_version = [0] * schedule.num_workers  # the newest tied values a borrower has
         self.shares = shares  # each worker's share of the time computing, from a pass before (None: all)
         self.others = others  # per worker and action, the other workers' share computing meanwhile (None: all)
         self.slowdown = 1.0 if setup is None else setup.slowdown
@@ -170,7 +124,7 @@ class _Sim:
         n = schedule.num_workers
         self.pos, self.clock = [0] * n, [0.0] * n
         self.trace: list[list[Record]] = [[] for _ in range(n)]
-        # (dst, recv kind, mb, micro) -> (arrival, bytes)
+        # (dst, recv kind, mb, micro), or (dst, "TG"|"TV", update, peer) of a tie -> (arrival, bytes)
         self.arrival: dict[tuple[int, str, int, int | None], tuple[float, float]] = {}
         self.link_free: dict[tuple[int, int], float] = defaultdict(float)
         self.sync_started: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)  # (stage, k) -> w: t
@@ -243,6 +197,17 @@ class _Sim:
         s, m = self.sched.stage_of(w), self.sched.microbatches
         if a.kind == FORWARD:
             first = a.micro in (None, 0)  # builds the minibatch; may make a new weight version
+            if s == 0 and first:
+                self.input_version[a.mb] = self.updates[w] * self.sched.replicas[0]
+            if first and w in self.lenders:  # a borrower first gets the tied values this minibatch reads
+                want = self.input_version[a.mb]
+                if want > self.tied_version[w]:
+                    values = [self.arrival.get((w, "TV", want, owner)) for owner, _ in self.lenders[w]]
+                    if any(v is None for v in values):
+                        return None
+                    start = max(start, *(v[0] for v in values if v is not None)) + \
+                        sum(self._cpu_s(n) for _, n in self.lenders[w])
+                    self.tied_version[w] = want
             copy = self.copy_s[s] if first and self.updates[w] not in self.versions[w].values() else 0.0
             build = self.costs[s].batching_s if first else 0.0
             return start + self._compute_s(w, self.costs[s].forward_s / m + copy + build)
@@ -254,9 +219,7 @@ class _Sim:
             assert dst is not None
             cut = s if a.kind == SEND_ACT else s - 1  # gradients cross the cut after the previous stage
             nbytes = self.costs[cut].output_bytes / m
-            begin = max(start, self.link_free[(w, dst)])
-            self.link_free[(w, dst)] = begin + self._transfer_s(nbytes, w, dst)
-            self.arrival[(dst, SENDS[a.kind], a.mb, a.micro)] = (self.link_free[(w, dst)], nbytes)
+            self.arrival[(dst, SENDS[a.kind], a.mb, a.micro)] = (self._send(w, dst, nbytes, start), nbytes)
             return start + self._cpu_s(nbytes)
         if a.kind in (RECV_ACT, RECV_GRAD):
             got = self.arrival.pop((w, a.kind, a.mb, a.micro), None)
@@ -273,7 +236,32 @@ class _Sim:
             end = self.sync_end.get((s, self.waits[w]))
             return None if end is None else max(start, end)
         assert a.kind == UPDATE
-        return start + (self._compute_s(w, self.costs[s].update_s) if self.update_s is None else self.update_s[s])
+        return self._update_end(w, s, start)
+
+    def _update_end(self, w: int, s: int, start: float) -> float | None:
+        """An update, with the tied parameters' exchange: a borrower sends its gradient to the owner; the
+        owner waits for every borrower's, steps, and sends each the new values."""
+        k = self.updates[w]
+        if w in self.borrowers:
+            grads = [self.arrival.get((w, "TG", k, b)) for b, _ in self.borrowers[w]]
+            if any(g is None for g in grads):
+                return None
+            start = max(start, *(g[0] for g in grads if g is not None)) + \
+                sum(self._cpu_s(n) for _, n in self.borrowers[w])
+        for owner, nbytes in self.lenders.get(w, []):
+            self.arrival[(owner, "TG", k, w)] = (self._send(w, owner, nbytes, start), nbytes)
+            start += self._cpu_s(nbytes)
+        end = start + (self._compute_s(w, self.costs[s].update_s) if self.update_s is None else self.update_s[s])
+        for b, nbytes in self.borrowers.get(w, []):
+            self.arrival[(b, "TV", k + 1, w)] = (self._send(w, b, nbytes, end), nbytes)
+            end += self._cpu_s(nbytes)
+        return end
+
+    def _send(self, src: int, dst: int, nbytes: float, start: float) -> float:
+        """Put a message on the link ``src`` -> ``dst`` at ``start``; when it arrives."""
+        begin = max(start, self.link_free[(src, dst)])
+        self.link_free[(src, dst)] = begin + self._transfer_s(nbytes, src, dst)
+        return self.link_free[(src, dst)]
 
     def _compute_s(self, w: int, seconds: float) -> float:
         """How long ``seconds`` of compute alone take as worker ``w``'s next action: ``slowdown`` times as
@@ -387,7 +375,7 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         profile = shard_priced(profile, stage_costs(profile, [0], batch_size)[0], schedule.microbatches,
                                 batch_size)[0]
         per_stage = stage_costs(profile, boundaries, batch_size)  # its building keeps the set-up's slowdown
-    sim = _run(schedule, per_stage, link, updates, sync_s, profile.setup, contention)
+    sim = _run(schedule, per_stage, link, updates, sync_s, profile.setup, contention, tied_stages(profile, boundaries))
     makespan = max(sim.clock, default=0.0)
     busy = [b / makespan if makespan > 0 else 0.0 for b in sim.busy_s]
     scale = [c.stash_bytes / schedule.microbatches for c in sim.costs]
@@ -405,7 +393,8 @@ SHARE_PASSES = 8
 
 
 def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: Sequence[float] | None,
-         sync_s: Sequence[float] | None, setup: Setup | None, contention: float) -> _Sim:
+         sync_s: Sequence[float] | None, setup: Setup | None, contention: float,
+         ties: Sequence[tuple[list[int], int]] = ()) -> _Sim:
     """The simulation run to its end, in passes where what a pass prices follows the pass before.
 
     * With a set-up that measured a message idle as well as busy, each message's latency follows how
@@ -421,7 +410,7 @@ def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: Sequ
     takes the shares from the one before, averaged with those it was given (a longer latency lowers
     the shares that priced it, so the undamped passes swing), until the makespan moves less than 0.1%
     or :data:`SHARE_PASSES` passes. A schedule of one stage runs one pass."""
-    sim = _Sim(schedule, stages, link, update_s, sync_s, setup, contention)
+    sim = _Sim(schedule, stages, link, update_s, sync_s, setup, contention, ties=ties)
     sim.run()
     if setup is None or schedule.num_stages == 1:
         return sim
@@ -440,7 +429,7 @@ def _run(schedule: Schedule, stages: list[StageCost], link: Link, update_s: Sequ
             found = sim.others_computing()
             others = found if others is None else [[(a + b) / 2 for a, b in zip(mine, new)]
                                                    for mine, new in zip(others, found)]
-        sim = _Sim(schedule, stages, link, update_s, sync_s, setup, contention, shares, others)
+        sim = _Sim(schedule, stages, link, update_s, sync_s, setup, contention, shares, others, ties)
         sim.run()
         if abs(max(sim.clock, default=0.0) - makespan) <= 1e-3 * makespan:
             break

@@ -79,6 +79,18 @@ def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | N
     return stages
 
 
+def tied_stages(profile: Profile, boundaries: Sequence[int]) -> list[tuple[list[int], int]]:
+    """For each parameter that layers of several stages read (:attr:`Profile.ties`), those stages and
+    its bytes: the first owns it, and every update each other one sends it its gradient and gets the
+    new value back."""
+    out = []
+    for layers, nbytes in profile.ties:
+        stages = sorted({sum(k >= b for b in boundaries) - 1 for k in layers})
+        if len(stages) > 1:
+            out.append((stages, nbytes))
+    return out
+
+
 def shard_priced(profile: Profile, whole: StageCost, workers: int, batch_size: int | None) -> tuple[Profile, float]:
     """``profile`` with its set-up's ``slowdown`` as a worker's share of the minibatch measured it, and
     that slowdown.

@@ -91,14 +91,30 @@ def test_split_points_by_name_and_index_agree() -> None:
         layers.boundaries(["transformer.h.9"])
 
 
-def test_tied_weights_across_stages_are_refused() -> None:
-    net = gpt2(layers=2, width=32)
-    net.config.tie_word_embeddings = True
-    net.tie_weights()
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["gpipe", pipetrain.OneFOneBFlush(microbatches=2)])
+def test_tied_gpt2_flush_schedules_are_plain_sgd(schedule) -> None:
+    net, dataset = gpt2(layers=2, width=32, dropout=0.0).double(), data(32)
     assert net.lm_head.weight is net.transformer.wte.weight
-    with pytest.raises(ValueError, match=r"parameter transformer.wte.weight is used by stages \[0, 1\] \(tied weights\)"):
-        pipetrain.train(net, data(32), loss_fn=lm_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
-                        stages=["transformer.h.1"], batch_size=BATCH)
+    result = pipetrain.train(net, dataset, loss_fn=lm_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                             stages=["transformer.h.1"], schedule=schedule, batch_size=BATCH, shuffle=False,
+                             timeout=120)
+    assert result.model.lm_head.weight is result.model.transformer.wte.weight
+    want = plain_sgd(net, dataset, lm_loss, len(dataset) // BATCH).state_dict()
+    got = result.model.state_dict()
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=0, atol=1e-9), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b-flush", "gpipe"])
+def test_tied_gpt2_trains_in_every_pipeline(schedule: str) -> None:
+    result = pipetrain.train(gpt2(layers=2, width=32), data(64), loss_fn=lm_loss, stages=["transformer.h.1"],
+                             schedule=schedule, batch_size=BATCH, epochs=3, timeout=120,
+                             optimizer=functools.partial(torch.optim.Adam, lr=3e-3))
+    losses = [h["loss"] for h in result.history]
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4
+    assert torch.equal(result.model.lm_head.weight, result.model.transformer.wte.weight)
 
 
 class Opaque(nn.Module):

@@ -150,3 +150,19 @@ def test_cli_error_is_one_line(tmp_path, capsys):
     assert main(["simulate", str(tmp_path / "p.json"), "--stages", "0,2", "--schedule", "nope",
                  "--minibatches", "2"]) == 1
     assert "unknown schedule 'nope'" in capsys.readouterr().err
+
+
+def test_a_tied_parameter_costs_its_gradient_and_its_value_every_update():
+    """Two stages, model-parallel, a parameter of 10 ms on the link read by both: after the output
+    stage's update its gradient crosses to the input stage (after the cut's gradient on that link),
+    and the new value crosses back before the next activation, so each minibatch adds 2 x 10 ms to
+    F + B + a + F + B + a (1 + 2 + 1 + 1 + 2 + 1 ms, activations of 1 ms)."""
+    bandwidth = 1e6  # bytes/s: 1000 activation bytes take 1 ms
+    plain = equal_profile(2)
+    tied = Profile(plain.layers, batch_size=1, device="test", input_bytes=500, ties=[([0, 1], 10_000)])
+    assert Profile.from_dict(json.loads(json.dumps(tied.to_dict()))).ties == tied.ties
+    schedule = build_schedule(schedule_of("model-parallel", 1), [1, 1], 4)
+    for profile, period in ((plain, 8e-3), (tied, 25e-3)):
+        sim = simulate(schedule, profile, [0, 1], link=Link(bandwidth, 0.0))
+        updates = [end for text, _, end in sim.trace[0] if text.startswith("U")]
+        assert [b - a for a, b in zip(updates[1:], updates[2:])] == pytest.approx([period] * 2)

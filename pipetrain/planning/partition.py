@@ -243,6 +243,10 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
         bw_boundary = np.where(joined, topo.intra_bandwidth, topo.inter_bandwidth)
     if limit is not None:
         flight = np.vectorize(in_flight)(r, np.maximum(m, r))
+    # a parameter layers of several stages read (a tie): its stages exchange its gradient and value
+    # every update over a link of their own (runtime.tied); it cannot be replicated
+    ties = [(np.array(layers), float(nbytes)) for layers, nbytes in profile.ties]
+    tie_bandwidth = min(topo.inter_bandwidth, transport)
 
     shape = (N + 1, M + 1, F)
     t = _Table(np.full(shape, INF), np.zeros(shape, int), np.zeros(shape, int), np.zeros(shape, int),
@@ -260,6 +264,8 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
         work = stage_work_s(compute[js] - compute[i], 0.0, np.where(js < N, part * copy_per_byte, 0.0),
                             cpu[i] + cpu[js], terms.slowdown)
         T = terms.stage_s(work, part, r, bw_stage, allreduce)
+        if ties:
+            T = _with_ties(T, ties, i, js, r, tie_bandwidth)
         if limit is not None:
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
             T = np.where(stage_memory_bytes(part, stash, flight) <= limit, T, INF)
@@ -285,6 +291,17 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
             t.boundary_s[i, 1:, g] = np.broadcast_to(B, (M, R, J, F))[rows, rr, jj, ff]
         padded[i, M:] = t.best[i]
     return t
+
+
+def _with_ties(T: np.ndarray, ties: list[tuple[np.ndarray, float]], i: int, js: np.ndarray, r: np.ndarray,
+               bandwidth: float) -> np.ndarray:
+    """Stage times ``T`` of layers i..j-1 (for each j of ``js``) on ``r`` replicas, with the ties it shares
+    with other stages: at least the time their bytes take on a link, and never replicated."""
+    shared = np.zeros(js.shape)
+    for layers, nbytes in ties:
+        inside = ((layers >= i) & (layers < js[..., None])).sum(axis=-1)
+        shared += np.where((inside > 0) & (inside < len(layers)), nbytes, 0.0)
+    return np.where((shared > 0) & (r > 1), INF, np.maximum(T, shared / bandwidth))
 
 
 def _pick(t: _Table, M: int, fewer_workers: bool) -> tuple[int, int]:

@@ -15,6 +15,7 @@ JSON form (``version`` 1)::
      "layers": [{"name": "0", "forward_s": 0.001, "backward_s": 0.002,
                  "activation_bytes": 4096, "parameter_bytes": 1024, "optimizer_s": 0.0001}, ...],
      "inputs_s": 0.0002, "targets_s": 0.0001, "both_s": 0.00025,   (optional)
+     "ties": [{"layers": [0, 9], "bytes": 4096}],   (optional: a parameter several layers read)
      "setup": {...}}   (optional; see pipetrain.setup.Setup)
 """
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Profile:
     stage does once per minibatch; ``both_s``: both at once, each item fetched once, as a worker that
     is the first and the last stage builds them (:func:`pipetrain.profiling.time_batching`); 0 when not
     measured (for ``both_s``, the other two added up then stand in).
+
+    ``ties``: for each parameter that several layers read (tied weights), those layers and its bytes;
+    stages that hold them exchange its gradient and value every update (:mod:`pipetrain.runtime.tied`).
     """
 
     layers: list[LayerProfile]
@@ -74,6 +78,7 @@ class Profile:
     inputs_s: float = 0.0
     targets_s: float = 0.0
     both_s: float = 0.0
+    ties: list[tuple[list[int], int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -106,6 +111,7 @@ class Profile:
                 "layers": [asdict(layer) for layer in self.layers],
                 **({"inputs_s": self.inputs_s, "targets_s": self.targets_s, "both_s": self.both_s}
                    if self.inputs_s or self.targets_s or self.both_s else {}),
+                **({"ties": [{"layers": layers, "bytes": n} for layers, n in self.ties]} if self.ties else {}),
                 **({"setup": asdict(self.setup)} if self.setup is not None else {})}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -176,9 +182,21 @@ class Profile:
                            read_field(data, "device", "profile", str), str(data.get("model", "")),
                            read_field(data, "input_bytes", "profile", int, 0), meta,
                            None if setup is None else Setup.from_dict(setup, read_field),
-                           *(read_field(data, name, "profile", float, 0.0) for name in ("inputs_s", "targets_s", "both_s")))
+                           **{name: read_field(data, name, "profile", float, 0.0) for name in ("inputs_s", "targets_s", "both_s")},
+                           ties=[_tie(k, d, len(entries)) for k, d in enumerate(data.get("ties", []))])
         except ValueError as e:
             raise ProfileError(f"{source}: malformed {e}; regenerate it with `pipetrain profile`") from None
+
+
+def _tie(k: int, entry: Any, layers: int) -> tuple[list[int], int]:
+    """Tie entry ``k`` of a profile's JSON: the layers that read one parameter, and its bytes."""
+    where = f"tie entry {k}"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: {entry!r:.40} is not an object")
+    read = entry.get("layers")
+    if not isinstance(read, list) or not all(isinstance(i, int) and 0 <= i < layers for i in read):
+        raise ValueError(f"{where}: 'layers' is {read!r:.40}, not a list of layer indices")
+    return read, read_field(entry, "bytes", where, int)
 
 
 _MAKE = "`pipetrain profile MODULE:FACTORY --batch-size B -o {path}`"

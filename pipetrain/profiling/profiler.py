@@ -76,7 +76,7 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
                 buffer.copy_(copy)
     first = inputs[0]
     return Profile(measured, int(first.shape[0]) if first.dim() else 1, str(first.device), type(model).__name__,
-                   _nbytes(inputs))
+                   _nbytes(inputs), ties=list(layers.tied_layers().values()))
 
 
 def as_minibatch(micro: Profile, m: int) -> Profile:

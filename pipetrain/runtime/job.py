@@ -25,6 +25,8 @@ from pipetrain.layers import LayeredModel
 from pipetrain.runtime import checkpoint
 from pipetrain.runtime.dist import init_distributed, wire_device
 from pipetrain.runtime.launch import keep_freed_memory
+from pipetrain.runtime.tied import TiedCopies
+from pipetrain.runtime.tied import edges as tied_edges
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, append_json
@@ -71,10 +73,11 @@ def prepare_process(cfg: JobConfig) -> None:
 
 
 def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Channel, sync: GradSync | None,
-                 start: Start = Start()) -> tuple[Worker, nn.Module]:
+                 start: Start = Start(), exchange_ties: bool = True) -> tuple[Worker, nn.Module]:
     """``rank``'s worker as the job runs it, around ``transport`` and ``sync``: its stage (the whole
     model for data parallelism), optimizer and weight policy, restored from the checkpoint of the epoch
-    ``start`` resumes after, if any.
+    ``start`` resumes after, if any. With ``exchange_ties`` False, a stage's copy of a tied parameter
+    trains on its own (a worker run alone, for its timings).
 
     Returns:
         The worker, with the history it resumes, and its stage module unwrapped (what checkpoints save).
@@ -87,7 +90,10 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
         # captured on the worker's device: an exported graph fixes the device of tensors it makes (arange)
         layers = LayeredModel(t.model.to(device), to_device(cfg.example(), device))
         stage = layers.stage(*layout.layer_range(stage_idx, len(layers))).to(device)
-    params = [p for p in stage.parameters() if p.requires_grad]
+    tied = TiedCopies(stage, t.model, [(tie.name, tie.stages) for tie in cfg.ties], layout, rank, transport) \
+        if exchange_ties and any(stage_idx in tie.stages for tie in cfg.ties) else None
+    borrowed = tied.borrowed if tied is not None else set()
+    params = [p for n, p in stage.named_parameters() if p.requires_grad and n not in borrowed]
     optimizer = t.optimizer(params) if params else None
     scheduler = t.lr_scheduler(optimizer) if optimizer is not None and t.lr_scheduler is not None else None
     version, history = 0, []
@@ -101,8 +107,10 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
             scheduler.load_state_dict(state["scheduler"])
         version, history = state["version"], state.get("history", [])
         _set_rng(state["rng"], device)  # dropout and the like go on as if never stopped
-    policy = POLICIES[cfg.policy_name(stage_idx)](stage)
+    policy = POLICIES[cfg.policy_name(stage_idx)](stage, tied.names if tied is not None else ())
     policy.version = version
+    if tied is not None:
+        tied.start(version)
     reporter = layout.reporter(rank)
     worker = Worker(rank, sync.wrap(stage) if sync else stage, policy, optimizer, transport, t.dataset,
                     t.loss_fn, t.batch_size, device, grad_sync=sync, trace=[] if cfg.run.trace else None,
@@ -110,14 +118,16 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
                     name=layout.name(rank), attempt=start.attempt,
                     log=_history_log(rank) if reporter else None, scheduler=scheduler,
                     clip_grad_norm=t.clip_grad_norm, precision=t.precision,
-                    metrics_log=metrics_log(cfg.run.log_dir) if cfg.run.log_dir and reporter else None)
+                    metrics_log=metrics_log(cfg.run.log_dir) if cfg.run.log_dir and reporter else None, tied=tied)
     worker.history = [StepRecord(**h) for h in history]
     return worker, stage
 
 
 def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     t, layout = cfg.training, cfg.layout
-    transport = Transport(rank, layout.edges(), layout.name, device, cfg.run.timeout)
+    ties = [(tie.name, tie.stages) for tie in cfg.ties]
+    transport = Transport(rank, sorted(set(layout.edges()) | set(tied_edges(ties, layout))), layout.name, device,
+                          cfg.run.timeout)
     sync = cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
     worker, stage = build_worker(cfg, rank, device, transport, sync, start)
     optimizer, policy = worker.optimizer, worker.policy

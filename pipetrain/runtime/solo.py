@@ -84,7 +84,7 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
         prepare_process(job)
         channel = _Instant(schedule, stage, *_cut_tensors(job, stage, batches[0], schedule.microbatches, where))
         sync = GradSync() if any(a.kind == SYNC for a in schedule.actions[rank]) else None
-        worker, _ = build_worker(job, rank, where, channel, sync)
+        worker, _ = build_worker(job, rank, where, channel, sync, exchange_ties=False)
         worker.log = None  # no history file, even inside a launched process
         worker.run_epoch(schedule, 0, batches, 0)
     assert worker.trace is not None
@@ -110,7 +110,7 @@ class _Instant:
     def send(self, peer: int, msg: Message) -> None:
         pass
 
-    def recv(self, peer: int, mb: int, micro: int | None, what: str) -> Message:
+    def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0) -> Message:
         upstream = self.schedule.stage_of(peer) < self.stage
         sample = self.activations if upstream else self.gradients
         assert sample is not None, f"{what}: no neighbour sends that to stage {self.stage}"

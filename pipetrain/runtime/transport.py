@@ -7,9 +7,11 @@ thread works; the compute thread only enqueues sends and picks up what has arriv
 
 Each message is a fixed-size int64 header, then the tensors::
 
-    [mb, micro, version, is_tuple, n, dtype_0, ndim_0, *shape_0, dtype_1, ...]
+    [mb, micro, version, is_tuple, n, channel, dtype_0, ndim_0, *shape_0, dtype_1, ...]
 
 so shapes and dtypes cross with the data and no stage needs a shape spec. ``n == -1`` closes the edge.
+``channel`` keeps apart what one edge carries: a cut's activations or gradients (0), or the tied
+parameters' gradients and values (:mod:`pipetrain.runtime.tied`).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class Message:
     version: int
     tensors: list[torch.Tensor]
     is_tuple: bool
+    channel: int = 0
 
 
 def _encode(msg: Message | None, device: torch.device) -> torch.Tensor:
@@ -51,7 +54,8 @@ def _encode(msg: Message | None, device: torch.device) -> torch.Tensor:
     if msg is None:
         head[4] = _CLOSE
         return head.to(device)
-    vals = [msg.mb, -1 if msg.micro is None else msg.micro, msg.version, int(msg.is_tuple), len(msg.tensors)]
+    vals = [msg.mb, -1 if msg.micro is None else msg.micro, msg.version, int(msg.is_tuple), len(msg.tensors),
+            msg.channel]
     for t in msg.tensors:
         vals += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
     if len(vals) > HEADER_LEN:
@@ -60,14 +64,14 @@ def _encode(msg: Message | None, device: torch.device) -> torch.Tensor:
     return head.to(device)
 
 
-def _decode(head: torch.Tensor) -> tuple[int, int | None, int, bool, list[tuple[torch.dtype, list[int]]]]:
+def _decode(head: torch.Tensor) -> tuple[int, int | None, int, bool, int, list[tuple[torch.dtype, list[int]]]]:
     h = head.tolist()
-    specs, i = [], 5
+    specs, i = [], 6
     for _ in range(max(h[4], 0)):
         dtype, ndim = _DTYPES[h[i]], h[i + 1]
         specs.append((dtype, h[i + 2:i + 2 + ndim]))
         i += 2 + ndim
-    return h[0], None if h[1] < 0 else h[1], h[2], bool(h[3]), specs if h[4] >= 0 else None  # type: ignore[return-value]
+    return h[0], None if h[1] < 0 else h[1], h[2], bool(h[3]), h[5], specs if h[4] >= 0 else None  # type: ignore[return-value]
 
 
 class Channel(Protocol):
@@ -76,7 +80,7 @@ class Channel(Protocol):
 
     def send(self, peer: int, msg: Message) -> None: ...
 
-    def recv(self, peer: int, mb: int, micro: int | None, what: str) -> Message: ...
+    def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0) -> Message: ...
 
 
 class Transport:
@@ -97,7 +101,7 @@ class Transport:
         self.rank, self.device, self.timeout, self.describe = rank, device, timeout, describe
         self._groups = {e: dist.new_group(list(e)) for e in sorted(edges)}
         self.wire = wire_device(device)  # where the backend takes the tensors from and puts them
-        self._inbox: dict[tuple[int, int, int | None], Message] = {}
+        self._inbox: dict[tuple[int, int, int, int | None], Message] = {}
         self._cond = threading.Condition()
         self._errors: dict[int, BaseException] = {}
         self._closed: set[int] = set()
@@ -136,7 +140,7 @@ class Transport:
             while True:
                 head = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
                 dist.recv(head, peer, group=group)
-                mb, micro, version, is_tuple, specs = _decode(head.cpu())
+                mb, micro, version, is_tuple, channel, specs = _decode(head.cpu())
                 if specs is None:
                     with self._cond:
                         self._closed.add(peer)
@@ -148,7 +152,7 @@ class Transport:
                     dist.recv(t, peer, group=group)
                     tensors.append(t.to(self.device))
                 with self._cond:
-                    self._inbox[(peer, mb, micro)] = Message(mb, micro, version, tensors, is_tuple)
+                    self._inbox[(peer, channel, mb, micro)] = Message(mb, micro, version, tensors, is_tuple, channel)
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001
             with self._cond:
@@ -161,15 +165,16 @@ class Transport:
             self._raise(peer, f"sending minibatch {msg.mb}")
         tensors = [t.detach().contiguous() for t in msg.tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        self._out[peer].put(Message(msg.mb, msg.micro, msg.version, tensors, msg.is_tuple))
+        self._out[peer].put(Message(msg.mb, msg.micro, msg.version, tensors, msg.is_tuple, msg.channel))
 
-    def recv(self, peer: int, mb: int, micro: int | None, what: str) -> Message:
-        """Wait for (mb, micro) from ``peer`` (an edge carries one kind: activations or gradients).
+    def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0) -> Message:
+        """Wait for (mb, micro) from ``peer`` on ``channel`` (the cut's channel carries one kind per
+        edge: activations or gradients).
 
         Raises:
             PeerError: the peer's connection broke, or nothing came within the timeout.
         """
-        key = (peer, mb, micro)
+        key = (peer, channel, mb, micro)
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while key not in self._inbox:

@@ -19,6 +19,8 @@ Versions are counted in minibatches applied: a straight stage's version is its u
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 
@@ -30,8 +32,9 @@ class Live:
 
     recompute = False
 
-    def __init__(self, stage: nn.Module) -> None:
-        self.params: Weights = dict(stage.named_parameters())
+    def __init__(self, stage: nn.Module, tied: Collection[str] = ()) -> None:
+        # a tied parameter's versions are kept by runtime.tied instead
+        self.params: Weights = {k: p for k, p in stage.named_parameters() if k not in tied}
         self.version = 0
 
     def forward_weights(self, mb: int, tag: int | None) -> Weights:
@@ -54,8 +57,8 @@ class Stashing(Live):
 
     recycle = True  # reuse the copies no minibatch holds any more (a fresh allocation costs page faults)
 
-    def __init__(self, stage: nn.Module) -> None:
-        super().__init__(stage)
+    def __init__(self, stage: nn.Module, tied: Collection[str] = ()) -> None:
+        super().__init__(stage, tied)
         self._stash: dict[int, Weights] = {}
         self._newest: tuple[int, Weights] | None = None  # (version, copy) shared while unchanged
         self._free: list[Weights] = []
@@ -95,8 +98,8 @@ class VerticalSync(Stashing):
 
     recycle = False  # copies also live in the version table; let the garbage collector free them
 
-    def __init__(self, stage: nn.Module) -> None:
-        super().__init__(stage)
+    def __init__(self, stage: nn.Module, tied: Collection[str] = ()) -> None:
+        super().__init__(stage, tied)
         self._versions: dict[int, Weights] = {}  # version -> weights; filled from the first forward on
 
     def updated(self, minibatches: int) -> None:

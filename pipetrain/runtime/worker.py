@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 from pipetrain.batches import collate_parts, microbatch, to_device
 from pipetrain.errors import one_line
 from pipetrain.layers import flatten, unflatten
+from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.transport import Channel, Message
 from pipetrain.runtime.weights import Live
 from pipetrain.schedule import Action, Schedule
@@ -87,6 +88,7 @@ class Worker:
             sync) down to this norm at most; None leaves them.
         precision: ``"bf16"`` runs forwards and the loss under autocast to bfloat16.
         metrics_log: the user's metrics log (JSON lines, ``log_dir``), or None.
+        tied: the stage's copies of parameters other stages also read, or None.
     """
 
     rank: int
@@ -108,6 +110,7 @@ class Worker:
     clip_grad_norm: float | None = None
     precision: str = "fp32"
     metrics_log: Path | None = None
+    tied: TiedCopies | None = None
     history: list[StepRecord] = field(default_factory=list)
     _flight: dict[tuple[int, int | None], _InFlight] = field(default_factory=dict)
     _inbox: dict[tuple[int, int | None], Message] = field(default_factory=dict)
@@ -134,6 +137,8 @@ class Worker:
                 self.trace.append((str(action), t0, time.perf_counter()))
             if action.kind == "U" and self._last and on_step is not None:
                 on_step(self.history[-1])
+        if self.tied is not None:
+            self.tied.finish(self.policy.version)
 
     def evaluate(self, schedule: Schedule, batches: list[list[int]], dataset: Dataset,
                  metrics: dict[str, Callable[[Any, Any], Any]]) -> list[float]:
@@ -244,6 +249,8 @@ class Worker:
         if self._scores is not None:
             return self._evaluate_forward(a, x)
         weights = self.policy.forward_weights(a.mb, tag)
+        if self.tied is not None:
+            weights = {**weights, **self.tied.weights(a.mb, self.policy.version if tag is None else tag)}
         with torch.set_grad_enabled(not self.policy.recompute), self._autocast(), \
                 self._blame(f"the forward of minibatch {a.mb}"):
             # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
@@ -297,6 +304,8 @@ class Worker:
             grads_in = [torch.zeros_like(t) if t.grad is None else t.grad for t in floats]
             self._out[key] = Message(a.mb, a.micro, 0, grads_in, False)
         last_micro = a.micro is None or a.micro == self._sched.microbatches - 1
+        if last_micro and self.tied is not None:
+            self.tied.take_gradient(a.mb)
         if last_micro:
             self._collated.pop((a.mb, 0), None)
             self._collated.pop((a.mb, 1), None)
@@ -338,6 +347,8 @@ class Worker:
 
     def _update(self, a: Action) -> None:
         lr = None
+        if self.tied is not None:
+            self.tied.before_update()
         if self.optimizer is not None:
             if self.clip_grad_norm is not None:
                 params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -349,6 +360,8 @@ class Worker:
                 self.scheduler.step()
         r = self._sched.replicas[self._sched.stage_of(self.rank)]
         self.policy.updated(r)
+        if self.tied is not None:
+            self.tied.after_update(self.policy.version)
         if self._last:
             # one record per minibatch: a replica of the output stage records its own minibatches
             now = time.perf_counter()
