@@ -3,8 +3,9 @@ with it hidden (``CUDA_VISIBLE_DEVICES=""``): ``python tests/gpu/job.py OUT OPTI
 
 OPTIONS_JSON holds ``pipetrain.train``'s options as the CLI names them (``strategy``, ``schedule``,
 ``microbatches``, ``staleness``, ``compression``, ``chunk``, ``stages``, ``workers``, ...) and ``model``:
-``"mlp64"`` (float64, for exactness), ``"mlp32"`` (float32, for bf16) or ``"shape-branch"`` (float64, a
-model ``torch.fx`` cannot trace and ``torch.export`` can). OUT gets the result's state, history, sync stats,
+``"mlp64"`` (float64, for exactness), ``"mlp32"`` (float32, for bf16), ``"shape-branch"`` (float64, a
+model ``torch.fx`` cannot trace and ``torch.export`` can) or ``"tied"`` (float64, its first and fifth layers
+share their weight: with ``stages=[0, 3]`` each stage holds a copy). OUT gets the result's state, history, sync stats,
 traces and bytes sent, and whether the workers had a GPU.
 """
 from __future__ import annotations
@@ -46,6 +47,13 @@ class ShapeBranch(nn.Module):
         return self.b(h)
 
 
+def tied() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 4))
+    model[4].weight = model[0].weight
+    return model.double()
+
+
 def data(dtype: torch.dtype, n: int = 256) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 8, generator=g, dtype=dtype), torch.randn(n, 4, generator=g, dtype=dtype))
@@ -54,7 +62,7 @@ def data(dtype: torch.dtype, n: int = 256) -> TensorDataset:
 def main(out: str, options: dict) -> None:
     kind = options.pop("model", "mlp64")
     dtype = torch.float32 if kind == "mlp32" else torch.float64
-    model = ShapeBranch().to(dtype) if kind == "shape-branch" else mlp(dtype)
+    model = ShapeBranch().to(dtype) if kind == "shape-branch" else tied() if kind == "tied" else mlp(dtype)
     own = {k: options.pop(k) for k in STRUCTURAL if k in options}
     strategy, schedule = from_options(**{"strategy": "pipeline", **options})
     result = pipetrain.train(model, data(dtype), loss_fn=nn.functional.mse_loss,
