@@ -221,17 +221,20 @@ class CausalBlock(nn.Module):
         return self.layer(x, src_mask=mask, is_causal=True)
 
 
-def gpt_like(vocab: int = 50257, width: int = 768, depth: int = 12, heads: int = 12, context: int = 1024
-             ) -> nn.Sequential:
+def gpt_like(vocab: int = 50257, width: int = 768, depth: int = 12, heads: int = 12, context: int = 1024,
+             tied: bool = False) -> nn.Sequential:
     """GPT-2 small's shape (Radford et al. 2019) built from ``torch.nn``: token and position embeddings,
     ``depth`` causal pre-norm blocks, a final LayerNorm and the vocabulary head, one pipeline layer each.
-    The defaults are GPT-2 small's sizes: 163M parameters with the head untied from the embedding (124M
-    tied, as GPT-2 has it).
+    The defaults are GPT-2 small's sizes: 163M parameters with the head untied from the embedding; with
+    ``tied`` the head's weight is the token embedding's, as GPT-2 has it (124M).
 
     Shapes: input ``(N, T)`` long token ids with ``T <= context``, output ``(N, vocab, T)``.
     """
-    return nn.Sequential(Tokens(vocab, width, context), *[CausalBlock(width, heads) for _ in range(depth)],
-                         nn.LayerNorm(width), VocabLogits(width, vocab))
+    model = nn.Sequential(Tokens(vocab, width, context), *[CausalBlock(width, heads) for _ in range(depth)],
+                          nn.LayerNorm(width), VocabLogits(width, vocab))
+    if tied:
+        model[-1].proj.weight = model[0].tokens.weight
+    return model
 
 
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
