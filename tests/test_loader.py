@@ -18,6 +18,7 @@ from pipetrain import costs
 from pipetrain.errors import PipetrainError
 from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.runtime.loader import Inline, LoadError, Recipe, Task, build
+from pipetrain.stagecost import stage_costs
 
 N, BATCH = 48, 4
 
@@ -91,6 +92,8 @@ def test_loading_ahead_hides_behind_compute() -> None:
     assert ahead.building_s(0, 1) == pytest.approx(0.015 - 0.011)
     assert ahead.building_s(1, 2) == 0.0
     assert Profile.from_dict(ahead.to_dict()).loaders == 2
+    # what a stage is charged scales with the batch, as its compute does
+    assert stage_costs(ahead, [0, 1], batch_size=16)[0].batching_s == pytest.approx(2 * (0.015 - 0.011))
 
 
 @pytest.mark.parametrize("bad", [dict(loader_workers=-1), dict(loader_workers=1.5), dict(prefetch=0)])
