@@ -37,7 +37,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           threads: int | None = None, trace: bool | str | os.PathLike = False, progress: bool = False,
           lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip_grad_norm: float | None = None,
           eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
-          precision: str = "fp32", log_dir: str | os.PathLike | None = None, backend: str = "auto") -> TrainResult:
+          precision: str = "fp32", log_dir: str | os.PathLike | None = None, backend: str = "auto",
+          loader_workers: int = 0, prefetch: int = 2) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
     Args:
@@ -105,6 +106,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         backend: ``"auto"`` (NCCL when every worker of a machine has a GPU of its own, else gloo),
             ``"gloo"`` (several workers may share a GPU: what gloo cannot move on a GPU goes through
             host memory) or ``"nccl"`` (a GPU per worker).
+        loader_workers: background processes per worker that build its next minibatches (its shard,
+            its inputs or targets: what it uses) while it computes; 0 builds them inline. Results are
+            bitwise the same either way: each item is fetched with its own seed (docs/training.md).
+        prefetch: minibatches each loader keeps ready or in progress.
 
     Raises:
         ValueError: bad arguments (one line says which and what to do).
@@ -123,7 +128,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,
                      threads=threads, trace=bool(trace), progress=progress, log_dir=_path(log_dir),
-                     trace_dir=None if isinstance(trace, bool) else _path(trace), backend=backend)
+                     trace_dir=None if isinstance(trace, bool) else _path(trace), backend=backend,
+                     loader_workers=loader_workers, prefetch=prefetch)
     chosen = as_strategy(strategy)
     picked = None if schedule is None else as_schedule(schedule)
     if workers is None and under_torchrun() and (isinstance(chosen, Auto) or chosen.data_parallel):

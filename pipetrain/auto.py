@@ -61,7 +61,7 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     """The model profiled on the first minibatch (of ``batch_size`` rows, default the job's) with the
     workers' thread count and optimizer, on the device the workers will train on (a GPU where the
     machine has one, a copy of the model there), building a minibatch from the dataset timed
-    (:func:`pipetrain.profiling.time_batching`); with the run set-up of ``workers`` local workers
+    (:func:`pipetrain.profiling.time_batching`) and priced with the run's ``loader_workers``; with the run set-up of ``workers`` local workers
     measured (:func:`pipetrain.setup.measure_setup`), their shared work a training step on the
     minibatch's first ``step_rows`` samples (default: all; a data-parallel worker's shard prices that
     worker directly), our ring's CPU timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under
@@ -79,6 +79,7 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
         with torch_threads(threads):
             measured = profile_model(model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2)
             measured.inputs_s, measured.targets_s, measured.both_s = time_batching(t.dataset, rows)
+            measured.loaders = run.loader_workers
     except LayerError:
         raise
     except Exception as e:  # the user's model, loss or optimizer on the user's data: say where it failed

@@ -114,6 +114,8 @@ class RunOptions:
     progress: bool = False
     log_dir: str | None = None
     backend: str = "auto"
+    loader_workers: int = 0
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         if self.keep_checkpoints is not None and (isinstance(self.keep_checkpoints, bool) or
@@ -131,6 +133,12 @@ class RunOptions:
             raise ValueError(f"timeout={self.timeout!r}: give the seconds a worker waits on a silent peer (> 0)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}")
+        for name, least in (("loader_workers", 0), ("prefetch", 1)):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < least:
+                raise ValueError(f"{name}={n!r}: give an integer >= {least} (loader_workers: background processes "
+                                 "building each worker's minibatches, 0 builds them inline; prefetch: minibatches "
+                                 "each loader keeps ready)")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"threads={self.threads!r}: give the torch threads per worker, at least 1 (or None: "

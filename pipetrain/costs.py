@@ -328,6 +328,17 @@ def contended_s(seconds: Num, slowdown: float) -> Num:
     return seconds * slowdown
 
 
+def loading_wait_s(load_s: Num, loaders: int, compute_s: Num) -> Num:
+    """Seconds per minibatch a worker's compute thread spends on data built by ``loaders`` background
+    processes (0: it builds each minibatch itself, ``load_s``): taking turns, they have one ready every
+    ``load_s / loaders`` seconds while the worker computes for ``compute_s``, so it waits for what the
+    first exceeds the second (ours; assumes loading does not slow the compute: waits on storage, or
+    spare cores)."""
+    if loaders == 0:
+        return load_s
+    return np.maximum(load_s / loaders - compute_s, 0.0)
+
+
 def overlap_slowdown(slowdown: float, others: float) -> float:
     """The slowdown of a worker's compute while, on average over it, a share ``others`` (0-1) of the
     machine's other workers compute too, where every worker's threads have cores of their own: between

@@ -232,8 +232,10 @@ def gpt_like(vocab: int = 50257, width: int = 768, depth: int = 12, heads: int =
     """
     model = nn.Sequential(Tokens(vocab, width, context), *[CausalBlock(width, heads) for _ in range(depth)],
                           nn.LayerNorm(width), VocabLogits(width, vocab))
+    head, tokens = model[-1], model[0]
+    assert isinstance(head, VocabLogits) and isinstance(tokens, Tokens)
     if tied:
-        model[-1].proj.weight = model[0].tokens.weight
+        head.proj.weight = tokens.tokens.weight
     return model
 
 

@@ -109,6 +109,9 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto (NCCL when every worker has a GPU of its own, else gloo), gloo (workers may share a "
                         "GPU) or nccl")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="background processes per worker building its next minibatches while it computes (0: inline)")
+    p.add_argument("--prefetch", type=int, default=2, help="with --loader-workers: minibatches each loader keeps ready")
     p.add_argument("--log-dir", default=None, help="write DIR/metrics.jsonl (one line per update and evaluation); "
                                                    "`pipetrain plot DIR` draws it")
 
@@ -128,7 +131,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
         metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
-        clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir, backend=args.backend)
+        clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir, backend=args.backend,
+        loader_workers=args.loader_workers, prefetch=args.prefetch)
     for r in result.restarts:
         after = f"after epoch {r['resumed_after_epoch']}" if r["resumed_after_epoch"] is not None else "from the start"
         print(f"restarted {after}: {r['error']}")

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pipetrain import costs
 from pipetrain.jsonfile import check_header, parse_json, read_field, read_text
 from pipetrain.profiling.graph import GraphError, read_graph
 from pipetrain.setup import Setup
@@ -62,7 +63,9 @@ class Profile:
     targets) from the dataset, each item fetched and its part collated, as the runtime's first (last)
     stage does once per minibatch; ``both_s``: both at once, each item fetched once, as a worker that
     is the first and the last stage builds them (:func:`pipetrain.profiling.time_batching`); 0 when not
-    measured (for ``both_s``, the other two added up then stand in).
+    measured (for ``both_s``, the other two added up then stand in). ``loaders``: the background
+    processes each worker builds minibatches with (``pipetrain.train``'s ``loader_workers``; 0: inline),
+    which hide building behind compute (:func:`pipetrain.costs.loading_wait_s`).
 
     ``ties``: for each parameter that several layers read (tied weights), those layers and its bytes;
     stages that hold them exchange its gradient and value every update (:mod:`pipetrain.runtime.tied`).
@@ -78,6 +81,7 @@ class Profile:
     inputs_s: float = 0.0
     targets_s: float = 0.0
     both_s: float = 0.0
+    loaders: int = 0
     ties: list[tuple[list[int], int]] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -90,10 +94,14 @@ class Profile:
 
     def building_s(self, first: int, end: int) -> float:
         """Seconds the stage of layers ``first`` .. ``end - 1`` spends building a minibatch: its inputs
-        if it holds the first layer, its targets if it holds the last, both at once if it holds all."""
+        if it holds the first layer, its targets if it holds the last, both at once if it holds all;
+        with loaders, what of it their work does not hide behind the stage's compute."""
         if first == 0 and end == len(self.layers) and self.both_s > 0:
-            return self.both_s
-        return (self.inputs_s if first == 0 else 0.0) + (self.targets_s if end == len(self.layers) else 0.0)
+            load = self.both_s
+        else:
+            load = (self.inputs_s if first == 0 else 0.0) + (self.targets_s if end == len(self.layers) else 0.0)
+        compute = sum(x.compute_s + x.optimizer_s for x in self.layers[first:end])
+        return float(costs.loading_wait_s(load, self.loaders, compute))
 
     def building_scaled(self, factor: float) -> Profile:
         """This profile with every time of building a minibatch (:meth:`building_s`) ``factor`` times its own."""
@@ -111,6 +119,7 @@ class Profile:
                 "layers": [asdict(layer) for layer in self.layers],
                 **({"inputs_s": self.inputs_s, "targets_s": self.targets_s, "both_s": self.both_s}
                    if self.inputs_s or self.targets_s or self.both_s else {}),
+                **({"loaders": self.loaders} if self.loaders else {}),
                 **({"ties": [{"layers": layers, "bytes": n} for layers, n in self.ties]} if self.ties else {}),
                 **({"setup": asdict(self.setup)} if self.setup is not None else {})}
 
@@ -182,7 +191,9 @@ class Profile:
                            read_field(data, "device", "profile", str), str(data.get("model", "")),
                            read_field(data, "input_bytes", "profile", int, 0), meta,
                            None if setup is None else Setup.from_dict(setup, read_field),
-                           **{name: read_field(data, name, "profile", float, 0.0) for name in ("inputs_s", "targets_s", "both_s")},
+                           **{name: read_field(data, name, "profile", float, 0.0)
+                              for name in ("inputs_s", "targets_s", "both_s")},
+                           loaders=read_field(data, "loaders", "profile", int, 0),
                            ties=[_tie(k, d, len(entries)) for k, d in enumerate(data.get("ties", []))])
         except ValueError as e:
             raise ProfileError(f"{source}: malformed {e}; regenerate it with `pipetrain profile`") from None

@@ -27,6 +27,7 @@ from pipetrain.runtime.dist import init_distributed, wire_device
 from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.tied import edges as tied_edges
+from pipetrain.runtime.loader import Inline, Loaders, Recipe
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, append_json
@@ -112,7 +113,7 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
     if tied is not None:
         tied.start(version)
     reporter = layout.reporter(rank)
-    worker = Worker(rank, sync.wrap(stage) if sync else stage, policy, optimizer, transport, t.dataset,
+    worker = Worker(rank, sync.wrap(stage) if sync else stage, policy, optimizer, transport, Inline(_recipe(cfg)),
                     t.loss_fn, t.batch_size, device, grad_sync=sync, trace=[] if cfg.run.trace else None,
                     shard=(layout.replica_of(rank), layout.replicas[stage_idx]) if cfg.data_parallel else (0, 1),
                     name=layout.name(rank), attempt=start.attempt,
@@ -123,6 +124,11 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
     return worker, stage
 
 
+def _recipe(cfg: JobConfig) -> Recipe:
+    t = cfg.training
+    return Recipe(t.dataset, t.eval_dataset, t.seed)
+
+
 def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     t, layout = cfg.training, cfg.layout
     ties = [(tie.name, tie.stages) for tie in cfg.ties]
@@ -131,6 +137,9 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
     sync = cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
     worker, stage = build_worker(cfg, rank, device, transport, sync, start)
     optimizer, policy = worker.optimizer, worker.policy
+    if cfg.run.loader_workers and layout.stage_of(rank) in (0, layout.num_stages - 1):  # a middle stage reads no data
+        worker.source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch,
+                                cfg.run.timeout, pin=device.type == "cuda")
     first = start.first_epoch
 
     k = per_epoch(t.items, t.batch_size, layout.rounds)
@@ -167,6 +176,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
                 cfg.identity(), keep=cfg.run.keep_checkpoints)
     if bar:
         bar.close()
+    worker.source.close()
     if sync:
         sync.close()
     transport.close()
@@ -196,7 +206,7 @@ def _evaluate(cfg: JobConfig, worker: Worker, epoch: int, device: torch.device, 
     n_items = len(t.eval_dataset)  # type: ignore[arg-type]
     batches = epoch_order(n_items, t.batch_size, 0, False, 0, 1)
     schedule = evaluation(cfg.layout.replicas, len(batches), cfg.data_parallel)
-    sums = torch.tensor(worker.evaluate(schedule, batches, t.eval_dataset, metrics), dtype=torch.float64,
+    sums = torch.tensor(worker.evaluate(schedule, batches, metrics), dtype=torch.float64,
                         device=device)
     dist.all_reduce(sums)  # the output stage's sums (every data-parallel worker's shards) reach every rank
     means = (sums[:-1] / sums[-1]).tolist()

@@ -57,9 +57,9 @@ def _die_with_caller(caller: int, leftovers: tuple[str, ...]) -> None:
     temporary directories, ours and multiprocessing's, which it can no longer remove); then the fork
     server sees the pipe close and exits too. The parent-death signal covers the fork server itself dying.
     """
+    if not die_with_parent():
+        return
     try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
         fd = os.pidfd_open(caller)
     except (OSError, AttributeError):
         return
@@ -72,6 +72,16 @@ def _die_with_caller(caller: int, leftovers: tuple[str, ...]) -> None:
             shutil.rmtree(d, ignore_errors=True)
         os._exit(1)
     threading.Thread(target=watch, daemon=True, name="pipetrain-caller-watch").start()
+
+
+def die_with_parent() -> bool:
+    """Have the kernel SIGKILL this process when its parent dies (Linux); False elsewhere."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def keep_freed_memory() -> None:
@@ -232,11 +242,14 @@ def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Calla
 # What a worker says when a peer is gone: ours, and gloo's for a closed connection.
 _COMPLAINTS = ("went silent", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
+LOADER_DIED = "its loader process died"
+"""What a worker's error says when one of its data loaders died: the job counts it as the worker's death."""
+
 
 def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[int], str],
              log_dir: str | os.PathLike | None) -> PipetrainError:
     """The most telling failure: a worker that died without an error (killed, crashed: the others'
-    errors follow from it), then a worker's own error, then a neighbour's complaint about a lost peer;
+    errors follow from it) or lost a loader process, then a worker's own error, then a neighbour's complaint about a lost peer;
     the tracebacks kept in a file."""
     messages, order, texts = {}, {}, []
     for r in failed:
@@ -244,7 +257,7 @@ def _failure(workdir: str, failed: list[int], procs: list, describe: Callable[[i
         if f.exists():
             text = f.read_text()
             messages[r] = text.splitlines()[0]
-            order[r] = 2 if any(c in messages[r] for c in _COMPLAINTS) else 1
+            order[r] = 0 if LOADER_DIED in messages[r] else 2 if any(c in messages[r] for c in _COMPLAINTS) else 1
             texts.append(f"== {describe(r)}\n{text}")
         else:
             code = procs[r].exitcode

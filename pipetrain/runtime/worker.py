@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils.data import Dataset
 
-from pipetrain.batches import collate_parts, microbatch, to_device
+from pipetrain.batches import microbatch, to_device
 from pipetrain.errors import one_line
 from pipetrain.layers import flatten, unflatten
 from pipetrain.runtime.tied import TiedCopies
+from pipetrain.runtime.loader import LoadError, Source, Task
 from pipetrain.runtime.transport import Channel, Message
 from pipetrain.runtime.weights import Live
 from pipetrain.schedule import Action, Schedule
@@ -75,7 +75,8 @@ class Worker:
         policy: the weight-version policy (see ``runtime.weights``).
         optimizer: built over ``stage``'s parameters, or None for a stage without any.
         transport: connection to the neighbour stages.
-        dataset, loss_fn, batch_size: as given to ``pipetrain.train``.
+        source: where its minibatches come from (:mod:`pipetrain.runtime.loader`).
+        loss_fn, batch_size: as given to ``pipetrain.train``.
         grad_sync: the gradient synchronizer the ``A`` and ``S`` actions call, or None (a stage on one
             worker).
         shard: (i, r): take the i-th of r equal consecutive parts of every minibatch (data
@@ -96,7 +97,7 @@ class Worker:
     policy: Live
     optimizer: torch.optim.Optimizer | None
     transport: Channel
-    dataset: Dataset
+    source: Source
     loss_fn: Callable[[Any, Any], torch.Tensor]
     batch_size: int
     device: torch.device
@@ -129,6 +130,7 @@ class Worker:
         self._sched, self._batches, self._epoch, self._offset = schedule, batches, epoch, mb_offset
         stage_idx = schedule.stage_of(self.rank)
         self._first, self._last = stage_idx == 0, stage_idx == schedule.num_stages - 1
+        self.source.begin(self._tasks(schedule, batches, epoch, False))
         self._last_step_t = time.perf_counter()
         for action in schedule.actions[self.rank]:
             t0 = time.perf_counter()
@@ -140,14 +142,15 @@ class Worker:
         if self.tied is not None:
             self.tied.finish(self.policy.version)
 
-    def evaluate(self, schedule: Schedule, batches: list[list[int]], dataset: Dataset,
+    def evaluate(self, schedule: Schedule, batches: list[list[int]],
                  metrics: dict[str, Callable[[Any, Any], Any]]) -> list[float]:
-        """Run a forward-only ``schedule`` over ``batches`` of ``dataset`` with the live weights, in
-        eval mode and without gradients; return this worker's sums over its samples of the loss and of
-        each metric, then its sample count (zeros but at the output stage)."""
-        saved = (self._sched, self._batches, self.dataset, self._collated)
-        self._sched, self._batches, self.dataset, self._collated = schedule, batches, dataset, {}
+        """Run a forward-only ``schedule`` over ``batches`` of the evaluation dataset with the live
+        weights, in eval mode and without gradients; return this worker's sums over its samples of the
+        loss and of each metric, then its sample count (zeros but at the output stage)."""
+        saved = (self._sched, self._batches, self._collated)
+        self._sched, self._batches, self._collated = schedule, batches, {}
         self._first, self._last = schedule.stage_of(self.rank) == 0, schedule.stage_of(self.rank) == schedule.num_stages - 1
+        self.source.begin(self._tasks(schedule, batches, self._epoch, True))
         self._scores, self._metrics = [0.0] * (len(metrics) + 2), metrics
         was_training = self.stage.training
         self.stage.eval()
@@ -158,7 +161,7 @@ class Worker:
             return self._scores
         finally:
             self.stage.train(was_training)
-            self._sched, self._batches, self.dataset, self._collated = saved
+            self._sched, self._batches, self._collated = saved
             self._scores = None
 
     def _evaluate_forward(self, a: Action, x: Any) -> None:
@@ -215,17 +218,28 @@ class Worker:
         else:
             self._update(a)
 
+    def _tasks(self, schedule: Schedule, batches: list[list[int]], epoch: int, evaluating: bool) -> list[Task]:
+        """The minibatches this worker will build, in the order its forwards need them: its shard of
+        each, the parts it uses (a worker that needs both fetches each item once); none in a middle stage."""
+        parts = (0,) * self._first + (1,) * self._last
+        if not parts or not batches:
+            return []
+        i, r = self.shard
+        size = len(batches[0]) // r  # every minibatch is whole
+        order = dict.fromkeys(a.mb for a in schedule.actions[self.rank] if a.kind == "F")
+        return [Task(mb, tuple(batches[mb][i * size:(i + 1) * size]), parts, epoch, evaluating) for mb in order]
+
     def _batch(self, mb: int, part: int) -> Any:
         """Inputs (part 0) or targets (part 1) of minibatch ``mb``, collated once for all its
         microbatches and kept until its last backward."""
         key = (mb, part)
         if key not in self._collated:
-            items = self._batches[mb]
-            i, r = self.shard
-            size = len(items) // r
-            parts = (0, 1) if self._first and self._last else (part,)  # a worker that needs both fetches once
+            parts = (0,) * self._first + (1,) * self._last
             with self._blame(f"collating the dataset's items into minibatch {mb}"):
-                values = collate_parts(self.dataset, items[i * size:(i + 1) * size], parts)
+                try:
+                    values = self.source.get(mb)
+                except LoadError as e:
+                    raise StageError(f"{self.name}: {e}") from e
             for p, value in zip(parts, values):
                 shapes = _shapes(value)
                 first = self._shapes.setdefault(p, shapes)
