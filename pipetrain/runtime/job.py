@@ -110,7 +110,8 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
                     name=layout.name(rank), attempt=start.attempt,
                     log=_history_log(rank) if reporter else None, scheduler=scheduler,
                     clip_grad_norm=t.clip_grad_norm, precision=t.precision,
-                    metrics_log=metrics_log(cfg.run.log_dir) if cfg.run.log_dir and reporter else None)
+                    metrics_log=metrics_log(cfg.run.log_dir) if cfg.run.log_dir and reporter else None,
+                    target_key=t.target_key, collate_fn=t.collate_fn, fixed_shapes=not cfg.data_parallel)
     worker.history = [StepRecord(**h) for h in history]
     return worker, stage
 
