@@ -73,7 +73,7 @@ class Training:
         if self.collate_fn is not None and not callable(self.collate_fn):
             raise ValueError(f"collate_fn={self.collate_fn!r} is not callable; pass a function from a list of items "
                              "to a minibatch, as DataLoader(collate_fn=...) takes")
-        n_items = _count_items(self.dataset, "the dataset", keys)
+        n_items = _count_items(self.dataset, "the dataset", keys, self.collate_fn)
         if n_items < self.batch_size:
             raise ValueError(f"the dataset has {n_items} items, fewer than one minibatch of {self.batch_size}; use a "
                              "smaller batch_size")
@@ -99,7 +99,7 @@ class Training:
             if "loss" in self.metrics:
                 raise ValueError("metrics: 'loss' is reported already (loss_fn on eval_dataset); name the metric otherwise")
         if self.eval_dataset is not None:
-            n = _count_items(self.eval_dataset, "eval_dataset", self.target_key)
+            n = _count_items(self.eval_dataset, "eval_dataset", self.target_key, self.collate_fn)
             if n < self.batch_size:
                 raise ValueError(f"eval_dataset has {n} items, fewer than one minibatch of {self.batch_size}; give more "
                                  "items or a smaller batch_size")
@@ -249,27 +249,37 @@ class JobConfig:
         return "live" if self.schedule is None else self.schedule.policy(self.layout, stage)
 
 
-def _count_items(dataset: Dataset, what: str, target_key: TargetKey) -> int:
+def _count_items(dataset: Dataset, what: str, target_key: TargetKey,
+                 collate_fn: Callable[[list[Any]], Any] | None) -> int:
     """The item count of a map-style dataset of (input, target) pairs or of dictionaries holding
-    ``target_key`` and at least one input, or a one-line ValueError."""
+    ``target_key`` and at least one input (after ``collate_fn``, which is tried on item 0), or a one-line
+    ValueError."""
     try:
         n_items, item = len(dataset), dataset[0]  # type: ignore[arg-type]
     except Exception as e:  # a dataset raises what it likes; all mean it cannot be used
         raise ValueError(f"{what} cannot be read ({one_line(e)}); give a map-style dataset "
                          "(len() and [i]) of (input, target) pairs or of dictionaries") from None
-    if isinstance(item, Mapping):
-        keys, has = target_keys(target_key), ", ".join(map(repr, item))
-        missing = [k for k in keys if k not in item]
+    if collate_fn is None:
+        sample, where = item, f"{what}'s items"
+    else:
+        try:
+            sample, where = collate_fn([item]), f"the minibatches collate_fn builds from {what}"
+        except Exception as e:  # the user's collate_fn may raise anything
+            raise ValueError(f"collate_fn failed on {what}'s item 0 ({one_line(e)}); give a function from a list of "
+                             "items to a minibatch") from None
+    if not isinstance(sample, Mapping) and (not isinstance(sample, (tuple, list)) or len(sample) != 2):
+        kind = f"a {type(sample).__name__}" + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else "")
+        raise ValueError(f"{where} must be (input, target) pairs or dictionaries, but "
+                         f"{'item 0' if collate_fn is None else 'that of item 0'} is {kind}; make each (input, "
+                         "target) or a dict of the model's keyword inputs and the target")
+    if isinstance(sample, Mapping):
+        keys, has = target_keys(target_key), ", ".join(map(repr, sample))
+        missing = [k for k in keys if k not in sample]
         if missing:
-            raise ValueError(f"target_key {missing[0]!r} is not in {what}'s items (item 0 has keys {has}); pass "
+            raise ValueError(f"target_key {missing[0]!r} is not in {where} (item 0 has keys {has}); pass "
                              "target_key= naming the entry that is the target")
-        if all(k in keys for k in item):
-            raise ValueError(f"{what}'s items hold only the target ({has}); give the model's inputs as the other "
-                             "entries")
-    elif not isinstance(item, (tuple, list)) or len(item) != 2:
-        kind = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
-        raise ValueError(f"{what}'s items must be (input, target) pairs or dictionaries, but item 0 is {kind}; wrap "
-                         "it so each item is (input, target) or a dict of the model's keyword inputs and the target")
+        if all(k in keys for k in sample):
+            raise ValueError(f"{where} hold only the target ({has}); give the model's inputs as the other entries")
     if n_items < 1:
         raise ValueError(f"{what} is empty")
     return n_items
