@@ -3,6 +3,9 @@ the model's keyword inputs; ``collate_fn`` builds minibatches. Checked in float6
 written here, and against the same run on the equivalent (input, target) pairs."""
 import copy
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from pipetrain.layout import Layout
 from pipetrain.profiling import profile_model
 from pipetrain.registry import as_schedule, as_strategy
 from pipetrain.runtime.solo import run_stage_alone
+from launching import ROOT
 
 VOCAB, LENGTH, N, BATCH, LR = 11, 5, 32, 8, 0.1
 
@@ -68,6 +72,10 @@ class Tokens(Dataset):
         mask = (torch.arange(LENGTH) < self.lengths[i]).double()
         item = {"input_ids": self.ids[i], "attention_mask": mask, "labels": self.labels[i]}
         return {**item, "weight": 1.0 + self.lengths[i].double()} if self.weighted else item
+
+
+def weighted_tokens() -> Tokens:
+    return Tokens(weighted=True)
 
 
 class TokenPairs(Tokens):
@@ -269,3 +277,25 @@ def test_profiler_and_solo_replay_take_keyword_inputs() -> None:
     for stage in (0, 1):
         kinds = [r[0][0] for r in run_stage_alone(cfg, stage, 2)]
         assert kinds.count("F") == 4
+
+
+@pytest.mark.multiprocess
+def test_stages_auto_plans_a_model_of_keyword_inputs() -> None:
+    result = run(Tokens(), stages="auto", workers=2, bandwidth="1Gbit")
+    assert result.plan is not None and result.plan.workers == 2
+    assert all(torch.isfinite(torch.tensor([h["loss"] for h in result.history])))
+
+
+@pytest.mark.multiprocess
+def test_command_line_target_keys_and_collate_fn() -> None:
+    job = ["train", "test_dict_batches:Tagger", "--data", "test_dict_batches:weighted_tokens", "--stages", "hidden",
+           "--loss", "test_dict_batches:weighted_ce", "--batch-size", "8", "--collate-fn",
+           "torch.utils.data:default_collate"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    for keys, code in (("labels, weight", 0), ("label", 1)):
+        r = subprocess.run([sys.executable, "-m", "pipetrain.cli", *job, "--target-key", keys], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == code, r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    assert "target_key 'label' is not in the minibatches collate_fn builds from the dataset (item 0 has keys " \
+           "'input_ids', 'attention_mask', 'labels', 'weight')" in r.stderr
