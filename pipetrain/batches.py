@@ -4,7 +4,9 @@ and the solo replay.
 A dataset's items are ``(input, target)`` pairs, or dictionaries (Hugging Face style: ``{"input_ids",
 "attention_mask", "labels"}``) whose ``target_key`` entry (or entries) is the target and whose other
 entries are the model's keyword inputs. A collated minibatch's model input is therefore a value (the
-model is called ``model(x)``) or a dict (``model(**x)``): :func:`call` calls a module either way.
+model is called ``model(x)``) or :class:`KeywordInputs` (``model(**x)``): :func:`call` calls a module
+either way. Keyword inputs are their own type so that a pair whose input is a dict keeps passing it
+as one positional argument, as it always has.
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ TargetKey = str | Sequence[str]
 """The entry of a dictionary item that is the target, or several (the target is then their tuple)."""
 
 DEFAULT_TARGET_KEY = "labels"
+
+
+class KeywordInputs(dict):
+    """A minibatch's model input given by name: the entries of dictionary items other than the target."""
 
 
 def epoch_order(n_items: int, batch_size: int, epoch: int, shuffle: bool, seed: int, multiple: int) -> list[list[int]]:
@@ -67,7 +73,7 @@ def split_batch(batch: Any, target_key: TargetKey) -> tuple[Any, Any]:
     if isinstance(batch, Mapping):
         keys = target_keys(target_key)
         target = batch[keys[0]] if isinstance(target_key, str) else tuple(batch[k] for k in keys)
-        return {k: v for k, v in batch.items() if k not in keys}, target
+        return KeywordInputs((k, v) for k, v in batch.items() if k not in keys), target
     inputs, target = batch
     return inputs, target
 
@@ -84,11 +90,12 @@ def first_inputs(dataset: Any, rows: int, target_key: TargetKey = DEFAULT_TARGET
 
 
 def call(module: nn.Module, x: Any, weights: dict[str, torch.Tensor] | None = None) -> Any:
-    """``module`` on a minibatch's model input: ``module(**x)`` for a dict (keyword inputs), else
+    """``module`` on a minibatch's model input: ``module(**x)`` for :class:`KeywordInputs`, else
     ``module(x)``; with ``weights``, through ``torch.func.functional_call`` on them."""
+    keywords = isinstance(x, KeywordInputs)
     if weights is None:
-        return module(**x) if isinstance(x, dict) else module(x)
-    return functional_call(module, weights, (), x) if isinstance(x, dict) else functional_call(module, weights, (x,))
+        return module(**x) if keywords else module(x)
+    return functional_call(module, weights, (), dict(x)) if keywords else functional_call(module, weights, (x,))
 
 
 def microbatch(value: Any, micro: int | None, m: int) -> Any:
@@ -97,7 +104,7 @@ def microbatch(value: Any, micro: int | None, m: int) -> Any:
     if micro is None or m == 1:
         return value
     if isinstance(value, dict):
-        return {k: v.chunk(m)[micro] if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+        return type(value)((k, v.chunk(m)[micro] if isinstance(v, torch.Tensor) else v) for k, v in value.items())
     if isinstance(value, (tuple, list)):
         return type(value)(v.chunk(m)[micro] for v in value)
     return value.chunk(m)[micro]
@@ -109,7 +116,7 @@ def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
+        return type(value)((k, to_device(v, device)) for k, v in value.items())
     if isinstance(value, (tuple, list)):
         return type(value)(to_device(v, device) for v in value)
     return value

@@ -20,9 +20,9 @@ A stage module maps what crosses the cut before its first layer to what crosses 
 one: one object in, one object out (a tensor, or a tuple of tensors for an fx cut). The stage's
 ``state_dict`` keys are the original model's, so the stages' states merge back into the full model.
 
-Keyword inputs: when the example minibatch is a dict (a dataset of dictionary items,
-:mod:`pipetrain.batches`), the model is called ``model(**inputs)``: fx traces its forward as usual and
-``torch.export`` captures it with the dict as keyword arguments. The first stage then takes the model's
+Keyword inputs: when the example minibatch is :class:`~pipetrain.batches.KeywordInputs` (a dataset of
+dictionary items), the model is called ``model(**inputs)``: fx traces its forward as usual and
+``torch.export`` captures it with the entries as keyword arguments. The first stage then takes the model's
 inputs by name, as the model does: its placeholders are the model's own (the forward's parameters, with
 their defaults, for fx; the dict's keys for export), so it is called ``stage(**inputs)``
 (:func:`pipetrain.batches.call`) and the order of the dict's entries does not matter. An input a later
@@ -41,6 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from pipetrain.batches import KeywordInputs
 from pipetrain.errors import one_line
 
 
@@ -69,10 +70,11 @@ class LayeredModel:
 
     Args:
         model: an ``nn.Sequential``, a module that ``torch.fx.symbolic_trace`` accepts, or one that
-            ``torch.export.export(model, (example,))`` captures.
-        example: one minibatch of model input (what a worker calls the model with): fx cannot trace
-            the model, it is what ``torch.export`` captures on; a dict makes the first stage take
-            keyword inputs (see the module docstring).
+            ``torch.export.export(model, (example,))`` (for keyword inputs:
+            ``torch.export.export(model, (), example)``) captures.
+        example: one minibatch of model input (what a worker calls the model with): what
+            ``torch.export`` captures a model fx cannot trace on; :class:`~pipetrain.batches.KeywordInputs`
+            make the first stage take keyword inputs (see the module docstring).
 
     Attributes:
         names: each layer's name (a child's name, or a graph node's).
@@ -90,7 +92,7 @@ class LayeredModel:
         self._graph: fx.Graph | None = None
         self._root: nn.Module = model
         self._saved: set[str] | None = None  # the model's state_dict keys, read at the first graph stage
-        self.keywords = isinstance(example, dict)
+        self.keywords = isinstance(example, KeywordInputs)
         if isinstance(model, nn.Sequential) and self.keywords:
             raise LayerError("an nn.Sequential takes one input, but the dataset's items are dictionaries (keyword "
                              "inputs); wrap the layers in a module whose forward takes them by name")
@@ -253,7 +255,9 @@ def _capture(model: nn.Module, example: Any) -> tuple[fx.GraphModule, str]:
     if example is None:
         raise LayerError(f"cannot trace {name} with torch.fx ({fx_error}); pass an nn.Sequential whose children "
                          "are the layers") from None
-    key = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, example)
+    keywords = isinstance(example, KeywordInputs)
+    plain = dict(example) if keywords else example  # pytree and export take a dict, not a subclass of it
+    key = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, (keywords, plain))
     cached = _EXPORTED.get(model)
     if cached is not None and cached[0] == key:
         return cached[1], "export"
@@ -263,7 +267,7 @@ def _capture(model: nn.Module, example: Any) -> tuple[fx.GraphModule, str]:
     was_training = model.training
     try:
         model.train()  # captured with dropout on; the stages' own train()/eval() switch it (_follow_mode)
-        args, kwargs = ((), example) if isinstance(example, dict) else ((example,), None)
+        args, kwargs = ((), plain) if keywords else ((example,), None)
         exported = torch.export.export(model, args, kwargs, strict=False).module()
     except Exception as e:  # export raises many types too
         raise LayerError(f"cannot split {name}: torch.fx cannot trace it ({fx_error}) and torch.export cannot "

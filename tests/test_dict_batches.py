@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import pipetrain
-from pipetrain.batches import call, collate_parts, microbatch
+from pipetrain.batches import KeywordInputs, call, collate_parts, microbatch, to_device
 from pipetrain.config import JobConfig, RunOptions, Training
 from pipetrain.errors import PipetrainError
 from pipetrain.layers import LayeredModel, LayerError
@@ -228,7 +228,7 @@ def test_items_holding_only_the_target_and_a_sequential_on_keywords_are_refused(
     with pytest.raises(ValueError, match=r"hold only the target \('input_ids', 'labels'\)"):
         run(Unpadded(), strategy="ddp", workers=2, target_key=("input_ids", "labels"))
     with pytest.raises(LayerError, match="an nn.Sequential takes one input"):
-        LayeredModel(nn.Sequential(nn.Linear(2, 2)), {"x": torch.zeros(1, 2)})
+        LayeredModel(nn.Sequential(nn.Linear(2, 2)), KeywordInputs(x=torch.zeros(1, 2)))
 
 
 def test_collate_parts_splits_the_target_and_microbatches_slice_each_entry() -> None:
@@ -239,8 +239,29 @@ def test_collate_parts_splits_the_target_and_microbatches_slice_each_entry() -> 
     half = microbatch(inputs, 1, 2)
     assert torch.equal(half["input_ids"], ids[2:4]) and half["attention_mask"].shape == (2, LENGTH)
     assert torch.equal(microbatch(target, 1, 2)[1], labels[2:4])
+    assert isinstance(inputs, KeywordInputs) and isinstance(to_device(half, torch.device("cpu")), KeywordInputs)
     pairs = collate_parts(TokenPairs(), range(4), (0, 1))
     assert torch.equal(pairs[0][0], ids[:4]) and torch.equal(pairs[1], labels[:4])
+
+
+class DictInput(Dataset):
+    """(input, target) pairs whose input is a dict: the model still gets it as one argument."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return {"a": torch.tensor([float(i)])}, torch.tensor(0.0)
+
+
+class SumOfA(nn.Module):
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return x["a"].sum()
+
+
+def test_a_pair_whose_input_is_a_dict_still_passes_it_positionally() -> None:
+    inputs, _ = collate_parts(DictInput(), range(4), (0, 1))
+    assert type(inputs) is dict and call(SumOfA(), inputs) == 6.0
 
 
 class Shaped(Tagger):
@@ -259,7 +280,7 @@ def test_the_first_stage_takes_the_inputs_by_name(model) -> None:
     layers = LayeredModel(net, batch)
     assert layers.captured_by == ("fx" if model is Tagger else "export")
     first, second = layers.stages(layers.boundaries(["hidden"]))
-    reordered = {"attention_mask": batch["attention_mask"], "input_ids": batch["input_ids"]}
+    reordered = KeywordInputs(attention_mask=batch["attention_mask"], input_ids=batch["input_ids"])
     assert torch.equal(call(second, call(first, reordered)), net(**batch))
     assert not layers.takes_tuple(0)
 

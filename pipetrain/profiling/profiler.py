@@ -14,7 +14,7 @@ from torch import nn
 
 from pipetrain.layers import LayeredModel
 from pipetrain.profiling.profile import LayerProfile, Profile
-from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, call, collate_parts
+from pipetrain.batches import DEFAULT_TARGET_KEY, KeywordInputs, TargetKey, call, collate_parts
 
 
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -182,7 +182,8 @@ def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_map(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
+        mapped = {k: _map(v, fn) for k, v in value.items()}
+        return KeywordInputs(mapped) if isinstance(value, KeywordInputs) else mapped
     return value
 
 
