@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from pipetrain import auto
-from pipetrain.batches import first_inputs
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey
 from pipetrain.config import JobConfig, RunOptions, Training, check_request
 from pipetrain.errors import PipetrainError, warn
 from pipetrain.layers import LayeredModel
@@ -38,13 +38,16 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip_grad_norm: float | None = None,
           eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
           precision: str = "fp32", log_dir: str | os.PathLike | None = None, backend: str = "auto",
-          loader_workers: int = 0, prefetch: int = 2) -> TrainResult:
+          loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
+          collate_fn: Callable[[list[Any]], Any] | None = None) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
     Args:
         model: the model. A pipeline cuts it into layers: an ``nn.Sequential``, a ``torch.fx``-traceable
             module, or one ``torch.export`` captures; the data-parallel strategies take any module.
-        dataset: a map-style dataset of ``(input, target)`` pairs.
+        dataset: a map-style dataset of ``(input, target)`` pairs (the model is called ``model(input)``),
+            or of dictionaries (Hugging Face style ``{"input_ids", "attention_mask", "labels"}``): the
+            ``target_key`` entry is the target and the others the keyword inputs (``model(**inputs)``).
         loss_fn: ``loss_fn(output, target)`` of a minibatch; mean-reduced for microbatching and sharding.
         optimizer: a factory taking parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
         strategy: ``"pipeline"`` (stages on workers, run by ``schedule``), ``"ddp"``, ``"pipe-sgd"``,
@@ -103,6 +106,12 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             autocast to bfloat16 (CPU and GPU); weights, gradients and updates stay in the model's dtype.
         log_dir: write ``metrics.jsonl`` there: one JSON line per update (``"kind": "update"``) and per
             evaluation (``"kind": "eval"``); ``pipetrain plot DIR`` draws it.
+        target_key: with dictionary items, the entry handed to ``loss_fn`` as the target (default
+            ``"labels"``); a tuple of keys hands it the tuple of those entries, in order.
+        collate_fn: builds a minibatch from a list of items, as ``DataLoader(collate_fn=...)`` does
+            (e.g. transformers' ``DataCollatorWithPadding``); default ``default_collate``. A pipeline
+            runs every minibatch in the first one's shapes: pad to one fixed length
+            (``padding="max_length"``).
         backend: ``"auto"`` (NCCL when every worker of a machine has a GPU of its own, else gloo),
             ``"gloo"`` (several workers may share a GPU: what gloo cannot move on a GPU goes through
             host memory) or ``"nccl"`` (a GPU per worker).
@@ -124,7 +133,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     training = Training(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch_size,
                         epochs=epochs, shuffle=shuffle, seed=seed, lr_scheduler=lr_scheduler,
                         clip_grad_norm=clip_grad_norm, precision=precision, eval_dataset=eval_dataset,
-                        metrics=metrics)
+                        metrics=metrics, target_key=target_key, collate_fn=collate_fn)
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,
                      threads=threads, trace=bool(trace), progress=progress, log_dir=_path(log_dir),
@@ -146,7 +155,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         plan, predicted = None, None
     else:
         picked = picked or as_schedule(DEFAULT_SCHEDULE)
-        layers = LayeredModel(model, first_inputs(dataset, batch_size // picked.microbatches))
+        layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
         plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers))
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]

@@ -72,13 +72,15 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     model = copy.deepcopy(t.model).to(device) if device.type == "cuda" else t.model
 
     def first(n: int) -> Any:
-        return to_device(collate_parts(t.dataset, range(min(n, t.items)), (0, 1)), device)
+        return to_device(collate_parts(t.dataset, range(min(n, t.items)), (0, 1), t.target_key, t.collate_fn), device)
 
     batch = first(rows)
     try:
         with torch_threads(threads):
             measured = profile_model(model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2)
-            measured.inputs_s, measured.targets_s, measured.both_s = time_batching(t.dataset, rows)
+            measured.inputs_s, measured.targets_s, measured.both_s = time_batching(t.dataset, rows,
+                                                                                   target_key=t.target_key,
+                                                                                   collate_fn=t.collate_fn)
             measured.loaders = run.loader_workers
     except LayerError:
         raise

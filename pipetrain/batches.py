@@ -1,12 +1,31 @@
 """How minibatches are drawn from a dataset and built, the same way in every worker, the profiler
-and the solo replay."""
+and the solo replay.
+
+A dataset's items are ``(input, target)`` pairs, or dictionaries (Hugging Face style: ``{"input_ids",
+"attention_mask", "labels"}``) whose ``target_key`` entry (or entries) is the target and whose other
+entries are the model's keyword inputs. A collated minibatch's model input is therefore a value (the
+model is called ``model(x)``) or :class:`KeywordInputs` (``model(**x)``): :func:`call` calls a module
+either way. Keyword inputs are their own type so that a pair whose input is a dict keeps passing it
+as one positional argument, as it always has.
+"""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+from torch.func import functional_call
 from torch.utils.data import TensorDataset, default_collate
+
+TargetKey = str | Sequence[str]
+"""The entry of a dictionary item that is the target, or several (the target is then their tuple)."""
+
+DEFAULT_TARGET_KEY = "labels"
+
+
+class KeywordInputs(dict):
+    """A minibatch's model input given by name: the entries of dictionary items other than the target."""
 
 
 def epoch_order(n_items: int, batch_size: int, epoch: int, shuffle: bool, seed: int, multiple: int) -> list[list[int]]:
@@ -27,37 +46,77 @@ def per_epoch(n_items: int, batch_size: int, multiple: int) -> int:
     return n_items // batch_size // multiple * multiple
 
 
-def collate_parts(dataset: Any, items: Sequence[int], parts: Sequence[int]) -> list[Any]:
+def collate_parts(dataset: Any, items: Sequence[int], parts: Sequence[int], target_key: TargetKey = DEFAULT_TARGET_KEY,
+                  collate_fn: Callable[[list[Any]], Any] | None = None) -> list[Any]:
     """The inputs (part 0) and/or targets (part 1) of ``dataset``'s ``items``, as a worker builds them:
     each item fetched once (by the dataset's ``__getitems__`` where it has one, as ``DataLoader`` does),
-    each part collated with ``default_collate``. A ``TensorDataset``'s rows are taken by indexing its
-    tensors, which gives the tensors ``default_collate`` would stack. Fetching each item once also runs
-    a dataset's random transform once per item."""
-    if type(dataset) is TensorDataset:
+    then collated as ``DataLoader(collate_fn=collate_fn)`` would (default: ``default_collate``) and split
+    into inputs and targets (:func:`split_batch`). Pairs without a ``collate_fn`` collate each part on
+    its own, and a ``TensorDataset``'s rows are taken by indexing its tensors, which gives the tensors
+    ``default_collate`` would stack. Fetching each item once also runs a dataset's random transform
+    once per item. A pure function of its arguments, so it may run in another process."""
+    if collate_fn is None and type(dataset) is TensorDataset:
         index = torch.as_tensor(list(items), dtype=torch.long)
         return [dataset.tensors[part][index] for part in parts]
     fetch = getattr(dataset, "__getitems__", None)
     samples = fetch(list(items)) if fetch is not None else [dataset[j] for j in items]
-    return [default_collate([sample[part] for sample in samples]) for part in parts]
+    if collate_fn is None and not isinstance(samples[0], Mapping):
+        return [default_collate([sample[part] for sample in samples]) for part in parts]
+    whole = split_batch((collate_fn or default_collate)(samples), target_key)
+    return [whole[part] for part in parts]
 
 
-def first_inputs(dataset: Any, rows: int) -> Any:
+def split_batch(batch: Any, target_key: TargetKey) -> tuple[Any, Any]:
+    """(model input, target) of a collated minibatch: a dict's ``target_key`` entry (a tuple of the
+    entries, for several keys) is the target and its other entries the keyword inputs; anything else is
+    an (input, target) pair."""
+    if isinstance(batch, Mapping):
+        keys = target_keys(target_key)
+        target = batch[keys[0]] if isinstance(target_key, str) else tuple(batch[k] for k in keys)
+        return KeywordInputs((k, v) for k, v in batch.items() if k not in keys), target
+    inputs, target = batch
+    return inputs, target
+
+
+def target_keys(target_key: TargetKey) -> tuple[str, ...]:
+    """The keys ``target_key`` names, as a tuple."""
+    return (target_key,) if isinstance(target_key, str) else tuple(target_key)
+
+
+def first_inputs(dataset: Any, rows: int, target_key: TargetKey = DEFAULT_TARGET_KEY,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
     """The model input of the dataset's first ``rows`` items (fewer if it has fewer), collated."""
-    return collate_parts(dataset, range(min(rows, len(dataset))), (0,))[0]
+    return collate_parts(dataset, range(min(rows, len(dataset))), (0,), target_key, collate_fn)[0]
+
+
+def call(module: nn.Module, x: Any, weights: dict[str, torch.Tensor] | None = None) -> Any:
+    """``module`` on a minibatch's model input: ``module(**x)`` for :class:`KeywordInputs`, else
+    ``module(x)``; with ``weights``, through ``torch.func.functional_call`` on them."""
+    keywords = isinstance(x, KeywordInputs)
+    if weights is None:
+        return module(**x) if keywords else module(x)
+    return functional_call(module, weights, (), dict(x)) if keywords else functional_call(module, weights, (x,))
 
 
 def microbatch(value: Any, micro: int | None, m: int) -> Any:
-    """Microbatch ``micro`` of ``m`` equal slices of a collated value (a tensor, or a tuple or list of
-    tensors); the whole value for ``micro`` None."""
+    """Microbatch ``micro`` of ``m`` equal slices of a collated value (a tensor, or a tuple, list or
+    dict of tensors: each tensor sliced, anything else kept); the whole value for ``micro`` None."""
     if micro is None or m == 1:
         return value
+    if isinstance(value, dict):
+        return type(value)((k, v.chunk(m)[micro] if isinstance(v, torch.Tensor) else v) for k, v in value.items())
     if isinstance(value, (tuple, list)):
         return type(value)(v.chunk(m)[micro] for v in value)
     return value.chunk(m)[micro]
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    """A collated value (a tensor, or nested tuples or lists of tensors) on ``device``."""
+    """A collated value (a tensor, or nested tuples, lists or dicts of tensors; anything else kept) on
+    ``device``."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
-    return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, to_device(v, device)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value

@@ -11,7 +11,7 @@ to do. Nothing here creates directories or reads checkpoints: that is the launch
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from pipetrain.batches import first_inputs
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, first_inputs, target_keys
 from pipetrain.errors import one_line
 from pipetrain.layers import LayeredModel, check_boundaries
 from pipetrain.layout import Layout
@@ -51,6 +51,8 @@ class Training:
     precision: str = "fp32"
     eval_dataset: Dataset | None = None
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None
+    target_key: TargetKey = DEFAULT_TARGET_KEY
+    collate_fn: Callable[[list[Any]], Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -62,7 +64,16 @@ class Training:
                               ("optimizer", "functools.partial(torch.optim.SGD, lr=0.1)")):
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not callable; pass a function such as {example}")
-        n_items = _count_pairs(self.dataset, "the dataset")
+        keys = self.target_key if isinstance(self.target_key, str) else \
+            tuple(self.target_key) if isinstance(self.target_key, (tuple, list)) else None
+        if not (isinstance(keys, str) or keys and all(isinstance(k, str) for k in keys)):
+            raise ValueError(f"target_key={self.target_key!r}: name the dictionary entry that is the target (a "
+                             "string), or several (a tuple of strings)")
+        object.__setattr__(self, "target_key", keys)
+        if self.collate_fn is not None and not callable(self.collate_fn):
+            raise ValueError(f"collate_fn={self.collate_fn!r} is not callable; pass a function from a list of items "
+                             "to a minibatch, as DataLoader(collate_fn=...) takes")
+        n_items = _count_items(self.dataset, "the dataset", keys, self.collate_fn)
         if n_items < self.batch_size:
             raise ValueError(f"the dataset has {n_items} items, fewer than one minibatch of {self.batch_size}; use a "
                              "smaller batch_size")
@@ -88,7 +99,7 @@ class Training:
             if "loss" in self.metrics:
                 raise ValueError("metrics: 'loss' is reported already (loss_fn on eval_dataset); name the metric otherwise")
         if self.eval_dataset is not None:
-            n = _count_pairs(self.eval_dataset, "eval_dataset")
+            n = _count_items(self.eval_dataset, "eval_dataset", self.target_key, self.collate_fn)
             if n < self.batch_size:
                 raise ValueError(f"eval_dataset has {n} items, fewer than one minibatch of {self.batch_size}; give more "
                                  "items or a smaller batch_size")
@@ -242,7 +253,12 @@ class JobConfig:
         """The model input of the first minibatch (microbatch) in dataset order: what ``torch.export``
         captures a model that fx cannot trace on, for the shapes a stage sees
         (:class:`pipetrain.layers.LayeredModel`)."""
-        return first_inputs(self.training.dataset, self.training.batch_size // self.microbatches)
+        return self.example_of(self.training, self.microbatches)
+
+    @staticmethod
+    def example_of(t: Training, microbatches: int) -> Any:
+        """The model input of ``t``'s first microbatch (of ``microbatches`` per minibatch)."""
+        return first_inputs(t.dataset, t.batch_size // microbatches, t.target_key, t.collate_fn)
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must have been saved by to be resumed by this job."""
@@ -262,17 +278,37 @@ class JobConfig:
         return "live" if self.schedule is None else self.schedule.policy(self.layout, stage)
 
 
-def _count_pairs(dataset: Dataset, what: str) -> int:
-    """The item count of a map-style dataset of (input, target) pairs, or a one-line ValueError."""
+def _count_items(dataset: Dataset, what: str, target_key: TargetKey,
+                 collate_fn: Callable[[list[Any]], Any] | None) -> int:
+    """The item count of a map-style dataset of (input, target) pairs or of dictionaries holding
+    ``target_key`` and at least one input (after ``collate_fn``, which is tried on item 0), or a one-line
+    ValueError."""
     try:
         n_items, item = len(dataset), dataset[0]  # type: ignore[arg-type]
     except Exception as e:  # a dataset raises what it likes; all mean it cannot be used
         raise ValueError(f"{what} cannot be read ({one_line(e)}); give a map-style dataset "
-                         "(len() and [i]) of (input, target) pairs") from None
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        kind = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
-        raise ValueError(f"{what}'s items must be (input, target) pairs, but item 0 is {kind}; wrap it so each item "
-                         "is (input, target)")
+                         "(len() and [i]) of (input, target) pairs or of dictionaries") from None
+    if collate_fn is None:
+        sample, where = item, f"{what}'s items"
+    else:
+        try:
+            sample, where = collate_fn([item]), f"the minibatches collate_fn builds from {what}"
+        except Exception as e:  # the user's collate_fn may raise anything
+            raise ValueError(f"collate_fn failed on {what}'s item 0 ({one_line(e)}); give a function from a list of "
+                             "items to a minibatch") from None
+    if not isinstance(sample, Mapping) and (not isinstance(sample, (tuple, list)) or len(sample) != 2):
+        kind = f"a {type(sample).__name__}" + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else "")
+        raise ValueError(f"{where} must be (input, target) pairs or dictionaries, but "
+                         f"{'item 0' if collate_fn is None else 'that of item 0'} is {kind}; make each (input, "
+                         "target) or a dict of the model's keyword inputs and the target")
+    if isinstance(sample, Mapping):
+        keys, has = target_keys(target_key), ", ".join(map(repr, sample))
+        missing = [k for k in keys if k not in sample]
+        if missing:
+            raise ValueError(f"target_key {missing[0]!r} is not in {where} (item 0 has keys {has}); pass "
+                             "target_key= naming the entry that is the target")
+        if all(k in keys for k in sample):
+            raise ValueError(f"{where} hold only the target ({has}); give the model's inputs as the other entries")
     if n_items < 1:
         raise ValueError(f"{what} is empty")
     return n_items

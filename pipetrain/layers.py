@@ -19,9 +19,18 @@ it), so stages can begin at a named submodule (:func:`split_points`).
 A stage module maps what crosses the cut before its first layer to what crosses the cut after its last
 one: one object in, one object out (a tensor, or a tuple of tensors for an fx cut). The stage's
 ``state_dict`` keys are the original model's, so the stages' states merge back into the full model.
+
+Keyword inputs: when the example minibatch is :class:`~pipetrain.batches.KeywordInputs` (a dataset of
+dictionary items), the model is called ``model(**inputs)``: fx traces its forward as usual and
+``torch.export`` captures it with the entries as keyword arguments. The first stage then takes the model's
+inputs by name, as the model does: its placeholders are the model's own (the forward's parameters, with
+their defaults, for fx; the dict's keys for export), so it is called ``stage(**inputs)``
+(:func:`pipetrain.batches.call`) and the order of the dict's entries does not matter. An input a later
+layer uses crosses the cuts like any other value. Later stages take what crosses their cut, as always.
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import warnings
 import weakref
@@ -32,6 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from pipetrain.batches import KeywordInputs
 from pipetrain.errors import one_line
 
 
@@ -60,9 +70,11 @@ class LayeredModel:
 
     Args:
         model: an ``nn.Sequential``, a module that ``torch.fx.symbolic_trace`` accepts, or one that
-            ``torch.export.export(model, (example,))`` captures.
-        example: one minibatch of model input (what a worker calls the model with); only used when fx
-            cannot trace the model.
+            ``torch.export.export(model, (example,))`` (for keyword inputs:
+            ``torch.export.export(model, (), example)``) captures.
+        example: one minibatch of model input (what a worker calls the model with): what
+            ``torch.export`` captures a model fx cannot trace on; :class:`~pipetrain.batches.KeywordInputs`
+            make the first stage take keyword inputs (see the module docstring).
 
     Attributes:
         names: each layer's name (a child's name, or a graph node's).
@@ -80,6 +92,10 @@ class LayeredModel:
         self._graph: fx.Graph | None = None
         self._root: nn.Module = model
         self._saved: set[str] | None = None  # the model's state_dict keys, read at the first graph stage
+        self.keywords = isinstance(example, KeywordInputs)
+        if isinstance(model, nn.Sequential) and self.keywords:
+            raise LayerError("an nn.Sequential takes one input, but the dataset's items are dictionaries (keyword "
+                             "inputs); wrap the layers in a module whose forward takes them by name")
         if isinstance(model, nn.Sequential):
             self.names = list(model._modules)
             self.paths = list(self.names)
@@ -177,11 +193,14 @@ class LayeredModel:
         # a value is a node, or (a list of tensors crossing a cut element by element) a list of nodes
         env: dict[fx.Node, Any] = {}
         live_in = self._inputs if first == 0 else self._live_after(first - 1)
-        x = graph.placeholder("x")
-        if first == 0 and len(live_in) == 1:
-            env[live_in[0]] = x
+        if first == 0 and self.keywords:  # the model's own inputs, by name
+            for v in live_in:
+                default = v.args[0] if v.args else inspect.Signature.empty
+                env[v] = graph.placeholder(str(v.target), default_value=default)
+        elif first == 0 and len(live_in) == 1:
+            env[live_in[0]] = graph.placeholder("x")
         else:  # a tuple: the previous cut's values, or several model inputs
-            i = 0
+            x, i = graph.placeholder("x"), 0
             for v in live_in:
                 width = _width(v)
                 if width is None:
@@ -223,8 +242,8 @@ class LayeredModel:
 
     def takes_tuple(self, first: int) -> bool:
         """Whether the stage beginning at layer ``first`` takes a tuple (an fx cut, or several model
-        inputs) rather than one value, even when one tensor crosses."""
-        return self._graph is not None and not (first == 0 and len(self._inputs) == 1)
+        inputs) rather than one value (or keyword inputs), even when one tensor crosses."""
+        return self._graph is not None and not (first == 0 and (len(self._inputs) == 1 or self.keywords))
 
     def stages(self, boundaries: list[int]) -> Iterator[nn.Module]:
         """One module per stage, given the first layer index of each stage."""
@@ -263,7 +282,9 @@ def _capture(model: nn.Module, example: Any) -> tuple[fx.GraphModule, str]:
     if example is None:
         raise LayerError(f"cannot trace {name} with torch.fx ({fx_error}); pass an nn.Sequential whose children "
                          "are the layers") from None
-    key = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, example)
+    keywords = isinstance(example, KeywordInputs)
+    plain = dict(example) if keywords else example  # pytree and export take a dict, not a subclass of it
+    key = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, (keywords, plain))
     cached = _EXPORTED.get(model)
     if cached is not None and cached[0] == key:
         return cached[1], "export"
@@ -273,7 +294,8 @@ def _capture(model: nn.Module, example: Any) -> tuple[fx.GraphModule, str]:
     was_training = model.training
     try:
         model.train()  # captured with dropout on; the stages' own train()/eval() switch it (_follow_mode)
-        exported = torch.export.export(model, (example,), strict=False).module()
+        args, kwargs = ((), plain) if keywords else ((example,), None)
+        exported = torch.export.export(model, args, kwargs, strict=False).module()
     except Exception as e:  # export raises many types too
         raise LayerError(f"cannot split {name}: torch.fx cannot trace it ({fx_error}) and torch.export cannot "
                          f"capture it ({one_line(e, 300)}); pass an nn.Sequential whose children are the layers, "

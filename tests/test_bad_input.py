@@ -110,8 +110,8 @@ API_CASES = [
      r"plan\.json: made for a model of 10 layers but this model has 7"),
     ("plan from a newer version", lambda t, m: train(stages=str(_plan_file(t, version=9))),
      r"written by a newer pipetrain"),
-    ("dataset items are triples", lambda t, m: train(dataset=Triples()), r"must be \(input, target\) pairs, but "
-                                                                         r"item 0 is a tuple of 3"),
+    ("dataset items are triples", lambda t, m: train(dataset=Triples()),
+     r"must be \(input, target\) pairs or dictionaries, but item 0 is a tuple of 3"),
     ("dataset cannot be read", lambda t, m: train(dataset=Unreadable()), r"the dataset cannot be read \(KeyError"),
     ("inputs change shape", lambda t, m: train(dataset=Growing()),
      r"stage 0 \(rank 0\): minibatch 1's inputs have shape \(4, 5\) but the first minibatch's had \(4, 4\)"),

@@ -158,3 +158,65 @@ def test_every_cut_of_an_exported_model_carries_tensors_only() -> None:
         cut = head(x)
         flatten(cut)  # tensors only, or it raises
         assert torch.equal(tail(cut).logits, want), layers.labels[k]
+
+
+class BertItems(torch.utils.data.Dataset):
+    """The BERT data as a Hugging Face dataset gives it: dictionaries of ``input_ids``, ``attention_mask``
+    (item i's last i % 4 positions are padding) and ``labels``."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.x, self.y = bert_data(n).tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        mask = torch.ones_like(self.x[i])
+        mask[len(mask) - i % 4:] = 0
+        return {"input_ids": self.x[i], "attention_mask": mask, "labels": self.y[i]}
+
+
+@pytest.mark.multiprocess
+def test_bert_on_dictionary_items_splits_by_name_and_is_plain_sgd() -> None:
+    """The attention mask enters the first stage by name and crosses the cut to the layers that use it."""
+    net, dataset = bert().double(), BertItems()
+    result = pipetrain.train(net, dataset, loss_fn=bert_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                             stages=["bert.encoder.layer.1"], schedule=pipetrain.GPipe(microbatches=2),
+                             batch_size=BATCH, shuffle=False, timeout=120)
+    reference = copy.deepcopy(net)
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for t in range(len(dataset) // BATCH):
+        batch = torch.utils.data.default_collate([dataset[i] for i in range(t * BATCH, (t + 1) * BATCH)])
+        opt.zero_grad()
+        bert_loss(reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]),
+                  batch["labels"]).backward()
+        opt.step()
+    got, want = result.model.state_dict(), reference.state_dict()
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=0, atol=1e-9), key
+    assert any(not torch.equal(p, q) for p, q in zip(net.state_dict().values(), want.values()))  # it did train
+
+
+def tokenizer(tmp_path) -> "transformers.BertTokenizerFast":
+    """A word-level BERT tokenizer of the words w0..w39, made from a vocabulary file (nothing downloaded)."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(40)]) + "\n")
+    return transformers.BertTokenizerFast(str(vocab))
+
+
+@pytest.mark.multiprocess
+def test_a_tokenized_dataset_and_data_collator_with_padding_train_a_bert_pipeline(tmp_path) -> None:
+    """Items as a tokenizer gives them (lists of varying length, with ``label``: whether the text has 8
+    words or more), padded to a fixed length by transformers' DataCollatorWithPadding (which renames
+    ``label`` to ``labels``)."""
+    tok = tokenizer(tmp_path)
+    x, _ = data(64).tensors
+    texts = [" ".join(f"w{int(t) % 40}" for t in row[:3 + i % 10]) for i, row in enumerate(x)]
+    items = [{**tok(text), "label": int(len(text.split()) >= 8)} for text in texts]
+    collate = transformers.DataCollatorWithPadding(tok, padding="max_length", max_length=16, return_tensors="pt")
+    result = pipetrain.train(bert(), items, loss_fn=bert_loss, stages=["bert.encoder.layer.1"], batch_size=BATCH,
+                             epochs=3, optimizer=functools.partial(torch.optim.Adam, lr=3e-3), collate_fn=collate,
+                             timeout=120)
+    losses = [h["loss"] for h in result.history]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4

@@ -168,7 +168,7 @@ def test_resume_keeps_the_schedulers_place(tmp_path: Path) -> None:
     (dict(precision="fp16"), r"precision='fp16': use one of 'fp32', 'bf16'"),
     (dict(metrics={"accuracy": pipetrain.accuracy}), r"metrics are computed on eval_dataset; give eval_dataset too"),
     (dict(eval_dataset=data(3)), r"eval_dataset has 3 items, fewer than one minibatch of 8"),
-    (dict(eval_dataset=[1, 2]), r"eval_dataset's items must be \(input, target\) pairs, but item 0 is a int"),
+    (dict(eval_dataset=[1, 2]), r"eval_dataset's items must be \(input, target\) pairs or dictionaries, but item 0 is a int"),
     (dict(eval_dataset=data(), metrics={"loss": LOSS}), r"metrics: 'loss' is reported already"),
     (dict(log_dir=__file__), r"log_dir '.*test_training_loop.py' is not usable"),
 ])

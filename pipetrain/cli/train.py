@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``demo`` subcommands."""
     p = sub.add_parser("train", help="train MODULE:FACTORY as a pipeline or data parallel")
     p.add_argument("model", help="MODULE:FACTORY returning the nn.Module (or the module itself)")
-    p.add_argument("--data", required=True, help="MODULE:FACTORY returning a map-style Dataset of (input, target)")
+    p.add_argument("--data", required=True, help="MODULE:FACTORY returning a map-style Dataset of (input, target) "
+                                                "pairs or of dictionaries (see --target-key)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--stages", help="pipeline: first layer index of each stage, one worker each, e.g. 0,2,4,6")
     where.add_argument("--plan", help="pipeline: 'auto' (profile, then plan for --workers) or a plan JSON from "
@@ -97,6 +98,11 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help="when a worker dies or goes silent, restart every worker from the newest checkpoint, up to N "
                         "times (needs --checkpoint-dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
+    p.add_argument("--target-key", default="labels",
+                   help="dictionary items: the entry that is the target (default labels); comma-separated for "
+                        "several (loss_fn then gets their tuple); the other entries are the model's keyword inputs")
+    p.add_argument("--collate-fn", default=None,
+                   help="MODULE:FUNCTION building a minibatch from a list of items, as DataLoader(collate_fn=) takes")
     p.add_argument("--eval-data", default=None,
                    help="MODULE:FACTORY returning held-out (input, target) pairs, evaluated after every epoch")
     p.add_argument("--metrics", default=None,
@@ -116,6 +122,12 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                                                    "`pipetrain plot DIR` draws it")
 
 
+def _target_key(option: str) -> str | tuple[str, ...]:
+    """``--target-key``: one key, or a tuple of the comma-separated keys."""
+    keys = tuple(k.strip() for k in option.split(","))
+    return keys[0] if len(keys) == 1 else keys
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     _check_output(args.save, "--save")
     _check_output(args.trace, "--trace", directory=True)
@@ -132,7 +144,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
         metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
         clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir, backend=args.backend,
-        loader_workers=args.loader_workers, prefetch=args.prefetch)
+        loader_workers=args.loader_workers, prefetch=args.prefetch, target_key=_target_key(args.target_key),
+        collate_fn=load_object(args.collate_fn) if args.collate_fn else None)
     for r in result.restarts:
         after = f"after epoch {r['resumed_after_epoch']}" if r["resumed_after_epoch"] is not None else "from the start"
         print(f"restarted {after}: {r['error']}")

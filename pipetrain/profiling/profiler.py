@@ -14,7 +14,7 @@ from torch import nn
 
 from pipetrain.layers import LayeredModel
 from pipetrain.profiling.profile import LayerProfile, Profile
-from pipetrain.batches import collate_parts
+from pipetrain.batches import DEFAULT_TARGET_KEY, KeywordInputs, TargetKey, call, collate_parts
 
 
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -32,8 +32,8 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     Args:
         model: an ``nn.Sequential``, or a module ``torch.fx`` traces or ``torch.export`` captures (on
             this minibatch), on the device to profile.
-        sample_batch: one minibatch of model input (a tensor, or a tuple for several inputs); with
-            ``loss_fn``, an ``(input, target)`` pair as a dataset gives.
+        sample_batch: one minibatch of model input (a tensor, a tuple for several inputs, or a dict of
+            keyword inputs); with ``loss_fn``, an ``(input, target)`` pair of a minibatch.
         loss_fn: ``loss_fn(output, target)``, timed as part of the last layer.
         optimizer: the training's optimizer factory (e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``):
             each layer's ``optimizer_s`` is one step of it on the layer's parameters (after
@@ -92,9 +92,11 @@ def as_minibatch(micro: Profile, m: int) -> Profile:
                    meta={**micro.meta, "measured_at_batch": micro.batch_size, "microbatches": m})
 
 
-def time_batching(dataset: Any, rows: int, repeats: int = 3) -> tuple[float, float, float]:
+def time_batching(dataset: Any, rows: int, repeats: int = 3, target_key: TargetKey = DEFAULT_TARGET_KEY,
+                  collate_fn: Callable[[list[Any]], Any] | None = None) -> tuple[float, float, float]:
     """Seconds to build a minibatch of the first ``rows`` items' inputs, of their targets, and of both at
-    once, from ``dataset`` (of ``(input, target)`` pairs), each as a worker builds it
+    once, from ``dataset`` (of ``(input, target)`` pairs or dictionaries, split by ``target_key`` after
+    ``collate_fn``), each as a worker builds it
     (:func:`pipetrain.batches.collate_parts`; its first stage builds the inputs, its last the
     targets, a worker that is both builds both). Medians of ``repeats`` runs after one untimed, the
     three interleaved so that each sees the same phases of the machine."""
@@ -104,7 +106,7 @@ def time_batching(dataset: Any, rows: int, repeats: int = 3) -> tuple[float, flo
     for _ in range(repeats + 1):
         for k, parts in enumerate(kinds):
             start = time.perf_counter()
-            collate_parts(dataset, items, parts)
+            collate_parts(dataset, items, parts, target_key, collate_fn)
             times[k].append(time.perf_counter() - start)
     inputs_s, targets_s, both_s = (statistics.median(t[1:]) for t in times)
     return inputs_s, targets_s, both_s
@@ -123,7 +125,7 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
         feed = _map(leaves, torch.clone)
         sync()
         t0 = time.perf_counter()
-        y = stage(feed)
+        y = call(stage, feed)
         head = y if loss is None else loss(y)
         sync()
         t1 = time.perf_counter()
@@ -180,7 +182,8 @@ def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_map(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
+        mapped = {k: _map(v, fn) for k, v in value.items()}
+        return KeywordInputs(mapped) if isinstance(value, KeywordInputs) else mapped
     return value
 
 

@@ -119,14 +119,15 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
                     name=layout.name(rank), attempt=start.attempt,
                     log=_history_log(rank) if reporter else None, scheduler=scheduler,
                     clip_grad_norm=t.clip_grad_norm, precision=t.precision,
-                    metrics_log=metrics_log(cfg.run.log_dir) if cfg.run.log_dir and reporter else None, tied=tied)
+                    metrics_log=metrics_log(cfg.run.log_dir) if cfg.run.log_dir and reporter else None, tied=tied,
+                    fixed_shapes=not cfg.data_parallel)
     worker.history = [StepRecord(**h) for h in history]
     return worker, stage
 
 
 def _recipe(cfg: JobConfig) -> Recipe:
     t = cfg.training
-    return Recipe(t.dataset, t.eval_dataset, t.seed)
+    return Recipe(t.dataset, t.eval_dataset, t.seed, t.target_key, t.collate_fn)
 
 
 def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import contextlib
 import random
 import signal
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as tmp
 from torch.utils.data import TensorDataset
 
-from pipetrain.batches import collate_parts
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, collate_parts
 from pipetrain.errors import one_line
 from pipetrain.runtime.launch import LOADER_DIED, die_with_parent
 
@@ -36,6 +36,8 @@ class Recipe:
     dataset: Any
     eval_dataset: Any = None
     seed: int = 0
+    target_key: TargetKey = DEFAULT_TARGET_KEY
+    collate_fn: Callable[[list[Any]], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,10 @@ def build(recipe: Recipe, task: Task) -> list[Any]:
     """The parts ``task`` asks for, each item fetched with its own seed (see [Note: item seeds])."""
     dataset = recipe.eval_dataset if task.eval else recipe.dataset
     if type(dataset) is TensorDataset:  # rows are indexed: no user code, no random draws
-        return collate_parts(dataset, task.items, task.parts)
+        return collate_parts(dataset, task.items, task.parts, recipe.target_key, recipe.collate_fn)
     with _own_rng():
-        return collate_parts(_Seeded(dataset, recipe.seed, task.epoch, task.eval), task.items, task.parts)
+        return collate_parts(_Seeded(dataset, recipe.seed, task.epoch, task.eval), task.items, task.parts,
+                             recipe.target_key, recipe.collate_fn)
 
 
 def item_seed(seed: int, epoch: int, evaluating: bool, item: int) -> int:

@@ -26,7 +26,7 @@ import torch
 from pipetrain.layers import LayeredModel, flatten, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
 from pipetrain.runtime.transport import Message
-from pipetrain.batches import collate_parts, epoch_order, microbatch, per_epoch, to_device
+from pipetrain.batches import call, collate_parts, epoch_order, microbatch, per_epoch, to_device
 from pipetrain.timing import torch_threads
 from pipetrain.schedule import Schedule
 from pipetrain.schedule.actions import FORWARD, SYNC, UPDATE
@@ -148,13 +148,14 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
     model.eval().to(device)
     try:
         micro = 0 if m > 1 else None
+        t = cfg.training
         x, target = (microbatch(to_device(value, device), micro, m)
-                     for value in collate_parts(cfg.training.dataset, items, (0, 1)))
-        parts = list(LayeredModel(model).stages(list(cfg.layout.boundaries)))
+                     for value in collate_parts(t.dataset, items, (0, 1), t.target_key, t.collate_fn))
+        parts = list(LayeredModel(model, x).stages(list(cfg.layout.boundaries)))
         with torch.no_grad():
             for part in parts[:stage]:
-                x = part(x)
-            out = parts[stage](x)
+                x = call(part, x)
+            out = call(parts[stage], x)
         activations = Message(0, micro, 0, *flatten(x)) if stage > 0 else None
         gradients = None
         if stage < len(parts) - 1:

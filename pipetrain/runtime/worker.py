@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
-
-from pipetrain.batches import microbatch, to_device
+from pipetrain.batches import call, microbatch, to_device
 from pipetrain.errors import one_line
 from pipetrain.layers import flatten, unflatten
 from pipetrain.runtime.tied import TiedCopies
@@ -90,6 +88,8 @@ class Worker:
         precision: ``"bf16"`` runs forwards and the loss under autocast to bfloat16.
         metrics_log: the user's metrics log (JSON lines, ``log_dir``), or None.
         tied: the stage's copies of parameters other stages also read, or None.
+        fixed_shapes: every minibatch must have the first one's shapes (a pipeline's stages are made for
+            them); data parallelism takes any.
     """
 
     rank: int
@@ -112,6 +112,7 @@ class Worker:
     precision: str = "fp32"
     metrics_log: Path | None = None
     tied: TiedCopies | None = None
+    fixed_shapes: bool = True
     history: list[StepRecord] = field(default_factory=list)
     _flight: dict[tuple[int, int | None], _InFlight] = field(default_factory=dict)
     _inbox: dict[tuple[int, int | None], Message] = field(default_factory=dict)
@@ -167,7 +168,7 @@ class Worker:
     def _evaluate_forward(self, a: Action, x: Any) -> None:
         """An evaluation forward: the output stage adds up the loss and metrics; others send on."""
         with self._autocast(), self._blame(f"the evaluation forward of minibatch {a.mb}"):
-            out = self.stage(x)
+            out = call(self.stage, x)
         if not self._last:
             tensors, is_tuple = flatten(out)
             self._out[(a.mb, a.micro)] = Message(a.mb, a.micro, self.policy.version, tensors, is_tuple)
@@ -241,14 +242,21 @@ class Worker:
                 except LoadError as e:
                     raise StageError(f"{self.name}: {e}") from e
             for p, value in zip(parts, values):
-                shapes = _shapes(value)
-                first = self._shapes.setdefault(p, shapes)
-                if shapes != first:
-                    what = "inputs" if p == 0 else "targets"
-                    raise StageError(f"{self.name}: minibatch {mb}'s {what} have shape {shapes} but the first "
-                                     f"minibatch's had {first}; give every item the same shape (pad or resize)")
+                if self.fixed_shapes:
+                    self._check_shapes(mb, p, value)
                 self._collated[(mb, p)] = value
         return self._collated[key]
+
+    def _check_shapes(self, mb: int, part: int, value: Any) -> None:
+        """A pipeline's minibatches all have the first one's shapes, or a StageError says to pad."""
+        shapes = _shapes(value)
+        first = self._shapes.setdefault(part, shapes)
+        if shapes != first:
+            what = "inputs" if part == 0 else "targets"
+            raise StageError(f"{self.name}: minibatch {mb}'s {what} have shape {shapes} but the first minibatch's "
+                             f"had {first}; a pipeline runs every minibatch in the first one's shapes: give every "
+                             "item the same shape (pad or resize; text: pad to one fixed length, e.g. "
+                             "padding='max_length' in the tokenizer or DataCollatorWithPadding)")
 
     def _forward(self, a: Action) -> None:
         key = (a.mb, a.micro)
@@ -268,7 +276,7 @@ class Worker:
         with torch.set_grad_enabled(not self.policy.recompute), self._autocast(), \
                 self._blame(f"the forward of minibatch {a.mb}"):
             # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
-            out = self.stage(x) if weights is self.policy.params else functional_call(self.stage, weights, (x,))
+            out = call(self.stage, x) if weights is self.policy.params else call(self.stage, x, weights)
         flight = _InFlight(inputs, out, raw_input=x)
         if self._last:
             target = microbatch(to_device(self._batch(a.mb, 1), self.device), a.micro, self._sched.microbatches)
@@ -294,7 +302,7 @@ class Worker:
         if self.policy.recompute:  # naive: forward again with the weights current now
             x = f.raw_input[0] if self._last else f.raw_input
             with self._autocast(), self._blame(f"the forward of minibatch {a.mb}"):
-                out = functional_call(self.stage, weights, (x,))
+                out = call(self.stage, x, weights)
                 if self._last:
                     f.loss = self._loss(out, f.raw_input[1], a.mb) / self._sched.microbatches
             f.outputs = out

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from pipetrain.batches import call
 from pipetrain.timing import median_seconds
 
 
@@ -44,7 +45,7 @@ class ModelStep:
 
     def __call__(self) -> None:
         x, y = self.batch
-        self.loss_fn(self.model(x), y).backward()
+        self.loss_fn(call(self.model, x), y).backward()
         self.model.zero_grad(set_to_none=True)
 
 
