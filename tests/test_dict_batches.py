@@ -186,7 +186,7 @@ def test_target_key_tuple_and_evaluation() -> None:
 
 @pytest.mark.multiprocess
 def test_a_padding_collate_fn_trains_variable_length_items() -> None:
-    result = run(Unpadded(), stages=["hidden"], schedule="gpipe", collate_fn=pad)
+    result = run(Unpadded(), stages=["hidden"], schedule="gpipe", collate_fn=pad, loader_workers=2)  # built ahead
     assert_same(result.model, plain_sgd(Tagger(), items(Tokens()), nn.functional.cross_entropy))
     # data parallelism takes minibatches of any shape (seed 1: minibatch 1 is shorter)
     ddp = run(Unpadded(seed=1), strategy="ddp", workers=2, collate_fn=pad_to_longest)
