@@ -1,13 +1,19 @@
-"""A Hugging Face GPT-2 (small, random init) trained as a 3-stage PipeDream pipeline, cut by submodule name.
+"""A Hugging Face GPT-2 (small, random init, tied embeddings) trained as a 3-stage PipeDream pipeline,
+cut by submodule name, on dictionary items built ahead by background loaders.
 
     python examples/gpt2_pipeline.py            # 3 workers on this machine, stages begin at h.1 and h.3
-    pipetrain train examples.gpt2_pipeline:model --data examples.gpt2_pipeline:data \\
-        --loss examples.gpt2_pipeline:lm_loss --stages transformer.h.1,transformer.h.3 --batch-size 16
+    pipetrain train examples.gpt2_pipeline:model --data examples.gpt2_pipeline:text \\
+        --loss examples.gpt2_pipeline:lm_loss --stages transformer.h.1,transformer.h.3 --batch-size 16 \\
+        --loader-workers 2
 
-torch.fx cannot trace GPT2LMHeadModel, so pipetrain captures it with torch.export on the first minibatch;
-its layers are the graph's operators, and ``stages`` names the submodules later stages begin at. The
-model returns a ``CausalLMOutputWithCrossAttentions``; the loss takes its ``logits``. The text is the
-source of a module that ships with Python, read byte by byte (a 128-symbol vocabulary).
+torch.fx cannot trace GPT2LMHeadModel, so pipetrain captures it with torch.export on the first minibatch
+(with the items' keyword inputs); its layers are the graph's operators, and ``stages`` names the
+submodules later stages begin at. The word embedding and the output layer share one weight, as GPT-2's
+do: the first and the last stage each hold a copy, kept identical. Items are dictionaries, as a
+tokenizer gives them: ``labels`` is the target (``target_key``'s default), the other entries are the
+model's keyword inputs. The model returns a ``CausalLMOutputWithCrossAttentions``; the loss takes its
+``logits``. The text is the source of a module that ships with Python, read byte by byte (a 128-symbol
+vocabulary).
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import textwrap
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 import pipetrain
 
@@ -36,13 +42,38 @@ def model(layers: int = 4, width: int = 64, dropout: float = 0.1, seed: int = 0,
     return GPT2LMHeadModel(config)
 
 
-def data(sequences: int = 512, offset: int = 0) -> TensorDataset:
-    """(tokens, next tokens) pairs of CONTEXT bytes from Python's own ``textwrap`` source (ASCII)."""
+def _windows(sequences: int, offset: int) -> torch.Tensor:
+    """``sequences`` windows of CONTEXT + 1 bytes from Python's own ``textwrap`` source (ASCII)."""
     text = inspect.getsource(textwrap).encode("ascii", "replace")
     tokens = torch.tensor(list(text), dtype=torch.long).clamp_(max=VOCAB - 1)
     starts = (torch.arange(sequences) * 7 + offset) % (len(tokens) - CONTEXT - 1)
-    windows = torch.stack([tokens[s:s + CONTEXT + 1] for s in starts.tolist()])
+    return torch.stack([tokens[s:s + CONTEXT + 1] for s in starts.tolist()])
+
+
+def data(sequences: int = 512, offset: int = 0) -> TensorDataset:
+    """(tokens, next tokens) pairs of CONTEXT bytes."""
+    windows = _windows(sequences, offset)
     return TensorDataset(windows[:, :-1], windows[:, 1:])
+
+
+class Text(Dataset):
+    """The same windows as dictionary items, as a tokenizer gives them: ``input_ids``,
+    ``attention_mask`` (every position is text) and ``labels`` (the next tokens)."""
+
+    def __init__(self, sequences: int = 512, offset: int = 0) -> None:
+        self.windows = _windows(sequences, offset)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        w = self.windows[i]
+        return {"input_ids": w[:-1], "attention_mask": torch.ones(CONTEXT, dtype=torch.long), "labels": w[1:]}
+
+
+def text(sequences: int = 512, offset: int = 0) -> Text:
+    """The dictionary items (what ``--data examples.gpt2_pipeline:text`` trains on)."""
+    return Text(sequences, offset)
 
 
 def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
@@ -52,9 +83,12 @@ def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    result = pipetrain.train(model(), data(), loss_fn=lm_loss, schedule="pipedream",
+    result = pipetrain.train(model(), text(), loss_fn=lm_loss, schedule="pipedream",
                              stages=["transformer.h.1", "transformer.h.3"], batch_size=16, epochs=2,
-                             optimizer=functools.partial(torch.optim.Adam, lr=3e-3), progress=True)
+                             optimizer=functools.partial(torch.optim.Adam, lr=3e-3), loader_workers=2,
+                             eval_dataset=text(64, offset=3), progress=True)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
+    tied = result.model.lm_head.weight is result.model.transformer.wte.weight
     print(f"GPT-2 on 3 stages: loss {first:.3f} -> {last:.3f} in {len(result.history)} updates, "
-          f"{result.samples_per_s:.0f} samples/s")
+          f"{result.samples_per_s:.0f} samples/s, held-out loss {result.history[-1]['eval']['loss']:.3f}, "
+          f"embedding and output layer {'still tied' if tied else 'UNTIED'}")
