@@ -268,3 +268,26 @@ def test_profile_times_the_optimizer_and_leaves_the_model_as_it_was(tmp_path):
         del entry["optimizer_s"]
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert Profile.load(tmp_path / "old.json").layers[0].optimizer_s == 0.0
+
+
+class Slow(nn.Module):
+    """A layer that takes 50 ms and counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        time.sleep(0.05)
+        return self.lin(x)
+
+
+def test_a_slow_layer_runs_one_untimed_and_as_many_timed_as_its_time_allows():
+    slow = Slow()
+    model = nn.Sequential(nn.Linear(4, 4), slow)
+    profile = profile_model(model, torch.randn(8, 4), repeats=5, warmup=2, layer_seconds=0.1)
+    assert slow.calls == 2  # 7 runs of 50 ms exceed 0.1 s: one untimed, one timed
+    assert profile.layers[1].forward_s >= 0.05
+    profile_model(model, torch.randn(8, 4), repeats=5, warmup=2)
+    assert slow.calls == 2 + 7  # no limit: warmup + repeats

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from pipetrain.layers import LayeredModel, flatten, received, unflatten
 from pipetrain.timing import median_seconds
 
 
@@ -51,6 +52,39 @@ class ModelStep:
 def model_step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> ModelStep:
     """A :class:`ModelStep` kernel of ``model`` on ``batch`` with ``loss_fn``."""
     return ModelStep(model, batch, loss_fn)
+
+
+@dataclass
+class LayerStep:
+    """A kernel for :func:`pipetrain.setup.measure_setup` that stands in for a model whose training step
+    is too long to run the dozens of times the probes call it: one forward and backward (seeded with
+    ones) of one of its layers, ``stage``, on what that layer receives, ``inputs``. Only the layer
+    travels to the probes' processes, not the model."""
+
+    stage: torch.nn.Module
+    inputs: Any
+
+    def __call__(self) -> None:
+        tensors, is_tuple = flatten(self.inputs)
+        out = self.stage(unflatten(received(tensors, True)[1], is_tuple))
+        roots = [t for t in flatten(out)[0] if t.requires_grad]
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+        self.stage.zero_grad(set_to_none=True)
+
+
+def layer_step(model: torch.nn.Module, example: Any, layer_s: list[float]) -> LayerStep | None:
+    """The :class:`LayerStep` of ``model`` (cut as :class:`pipetrain.layers.LayeredModel` cuts it on the
+    minibatch input ``example``) at its first layer, after the first and before the last, whose forward
+    and backward (``layer_s``, per layer) take at least the median layer's: a typical layer, reached
+    with little compute. None for a model of under 3 layers."""
+    if len(layer_s) < 3:
+        return None
+    middle = layer_s[1:-1]
+    k = 1 + next(i for i, s in enumerate(middle) if s >= statistics.median(middle))
+    layers = LayeredModel(model, example)
+    with torch.no_grad():
+        x = layers.stage(0, k - 1)(example)
+    return LayerStep(layers.stage(k, k), pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, x))
 
 
 def matmul(n: int) -> None:
