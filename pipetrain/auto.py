@@ -66,6 +66,10 @@ STAND_IN_STEP_S = 0.25
 set-up measured with one of its layers standing in for the step (:func:`pipetrain.setup.layer_step`):
 the probes call their kernel dozens of times, which at a step of seconds would take minutes."""
 
+STAND_IN_S = 0.05
+"""About how long the layer that stands in for a slow step takes: it runs on as few of the minibatch's
+rows as take that long."""
+
 
 def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int | None = None,
                      step_rows: int | None = None, ring_cpu: bool = True) -> Profile:
@@ -107,7 +111,8 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
         layer_s = [x.forward_s + x.backward_s for x in measured.layers]
         slow = sum(layer_s) * (step_rows or rows) / rows > STAND_IN_STEP_S
         with torch_threads(threads):
-            kernel = (layer_step(model, batch[0], layer_s) if slow else None) or model_step(model, tuple(step), t.loss_fn)
+            kernel = (layer_step(model, batch[0], layer_s, STAND_IN_S) if slow else None) or \
+                model_step(model, tuple(step), t.loss_fn)
         measured.setup = measure_setup(workers, threads, kernel, ring_bytes=measured.parameter_bytes,
                                        ring_cpu=ring_cpu, backend=run.backend)
         measured.meta["setup_s"] = time.perf_counter() - begun

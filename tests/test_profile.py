@@ -291,3 +291,10 @@ def test_a_slow_layer_runs_one_untimed_and_as_many_timed_as_its_time_allows():
     assert profile.layers[1].forward_s >= 0.05
     profile_model(model, torch.randn(8, 4), repeats=5, warmup=2)
     assert slow.calls == 2 + 7  # no limit: warmup + repeats
+
+
+def test_a_slow_layer_like_one_before_it_runs_no_untimed_run():
+    first, second = Slow(), Slow()
+    second.load_state_dict(first.state_dict())
+    profile_model(nn.Sequential(first, second), torch.randn(8, 4), repeats=5, warmup=2, layer_seconds=0.1)
+    assert (first.calls, second.calls) == (2, 1)  # the first warmed the second's kind up

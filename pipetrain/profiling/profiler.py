@@ -42,8 +42,9 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
         warmup: untimed runs per layer before those.
         layer_seconds: a layer (or optimizer step) whose first run shows that ``warmup + repeats`` runs
             would take longer runs fewer: one untimed and as many timed as fit (at least one). A large
-            model's layers take long enough that their median needs few runs. None: every layer runs
-            ``warmup + repeats`` times.
+            model's layers take long enough that their median needs few runs. A slow layer like one before
+            it (a transformer's blocks) runs no untimed run: the earlier one warmed it up. None: every
+            layer runs ``warmup + repeats`` times.
 
     Returns:
         The profile, at the batch size and on the device of the input.
@@ -65,12 +66,17 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     layers = LayeredModel(model, value)
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     measured = []
+    slow: set[tuple[Any, ...]] = set()  # the kinds of layers run already that took over layer_seconds
     try:
         for k in range(len(layers)):
             stage = layers.stage(k, k)
             last = loss_fn is not None and k == len(layers) - 1
             head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
-            fwd, bwd, value = _time_layer(stage, value, k > 0, head, repeats, warmup, layer_seconds)
+            kind = _kind(stage, value)
+            fwd, bwd, value = _time_layer(stage, value, k > 0, head, repeats, 0 if kind in slow else warmup,
+                                          layer_seconds)
+            if layer_seconds is not None and (fwd + bwd) * (warmup + repeats) > layer_seconds:
+                slow.add(kind)
             param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
             step = _time_optimizer(stage, optimizer, repeats, warmup, layer_seconds) if optimizer is not None else 0.0
             measured.append(LayerProfile(layers.labels[k], fwd, bwd, _nbytes(value), param_bytes, step))
@@ -114,12 +120,21 @@ def time_batching(dataset: Any, rows: int, repeats: int = 3) -> tuple[float, flo
     return inputs_s, targets_s, both_s
 
 
+def _kind(stage: nn.Module, x: Any) -> tuple[Any, ...]:
+    """What makes a layer's run the same as another's: its modules' types, its parameters' shapes and
+    its input's shapes (a graph layer's operator is in its code)."""
+    code = stage.code if isinstance(stage, torch.fx.GraphModule) else ""
+    return (code, tuple(type(m).__name__ for m in stage.modules()), tuple(p.shape for p in stage.parameters()),
+            tuple(t.shape for t in _tensors(x)))
+
+
 def _runs(first_s: float, repeats: int, warmup: int, seconds: float | None) -> tuple[int, int]:
     """(repeats, warmup) for something whose first run took ``first_s``: as given, or within ``seconds``
     (see :func:`profile_model`'s ``layer_seconds``)."""
     if seconds is None or first_s * (warmup + repeats) <= seconds:
         return repeats, warmup
-    return max(1, min(repeats, int(seconds / max(first_s, 1e-12)) - 1)), min(warmup, 1)
+    warmup = min(warmup, 1)
+    return max(1, min(repeats, int(seconds / max(first_s, 1e-12)) - warmup)), warmup
 
 
 def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any], torch.Tensor] | None,
@@ -149,7 +164,7 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
         if roots and wrt:
             torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
         sync()
-        if run == 0 and warmup > 0:
+        if run == 0:
             repeats, warmup = _runs(time.perf_counter() - first_s, repeats, warmup, seconds)
         if run >= warmup:
             forward.append(t1 - t0)
@@ -182,7 +197,7 @@ def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optim
             opt.zero_grad()
             if cuda:
                 torch.cuda.synchronize()
-            if run == 0 and warmup > 0:
+            if run == 0:
                 repeats, warmup = _runs(time.perf_counter() - first_s, repeats, warmup, seconds)
             if run >= warmup:
                 times.append(time.perf_counter() - t0)
