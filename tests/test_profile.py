@@ -298,3 +298,10 @@ def test_a_slow_layer_like_one_before_it_runs_no_untimed_run():
     second.load_state_dict(first.state_dict())
     profile_model(nn.Sequential(first, second), torch.randn(8, 4), repeats=5, warmup=2, layer_seconds=0.1)
     assert (first.calls, second.calls) == (2, 1)  # the first warmed the second's kind up
+
+
+def test_a_layer_whose_first_run_takes_longer_than_its_time_runs_once_and_is_timed():
+    slow = Slow()
+    profile = profile_model(nn.Sequential(nn.Linear(4, 4), slow), torch.randn(8, 4), repeats=5, warmup=2,
+                            layer_seconds=0.02)
+    assert slow.calls == 1 and profile.layers[1].forward_s >= 0.05

@@ -41,10 +41,11 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
         repeats: timed runs per layer.
         warmup: untimed runs per layer before those.
         layer_seconds: a layer (or optimizer step) whose first run shows that ``warmup + repeats`` runs
-            would take longer runs fewer: one untimed and as many timed as fit (at least one). A large
-            model's layers take long enough that their median needs few runs. A slow layer like one before
-            it (a transformer's blocks) runs no untimed run: the earlier one warmed it up. None: every
-            layer runs ``warmup + repeats`` times.
+            would take longer runs fewer: one untimed and as many timed as fit (at least one), or, if
+            the first run alone took longer, just that one, timed. A large model's layers take long
+            enough that their median needs few runs. A slow layer like one before it (a transformer's
+            blocks) runs no untimed run: the earlier one warmed it up. None: every layer runs
+            ``warmup + repeats`` times.
 
     Returns:
         The profile, at the batch size and on the device of the input.
@@ -133,6 +134,8 @@ def _runs(first_s: float, repeats: int, warmup: int, seconds: float | None) -> t
     (see :func:`profile_model`'s ``layer_seconds``)."""
     if seconds is None or first_s * (warmup + repeats) <= seconds:
         return repeats, warmup
+    if first_s > seconds:  # what a first run costs over the others is little beside seconds of work
+        return 1, 0
     warmup = min(warmup, 1)
     return max(1, min(repeats, int(seconds / max(first_s, 1e-12)) - warmup)), warmup
 
