@@ -36,8 +36,8 @@ def counting(n: int, seq: int, span: int = 1000, seed: int = 0) -> torch.utils.d
 
 def one_run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = gpt_like(context=args.seq, **({"tied": True} if args.tied else {}))
-    data = counting(args.updates * args.batch, args.seq)
+    model = gpt_like(args.vocab, args.width, args.depth, args.heads, args.seq, **({"tied": True} if args.tied else {}))
+    data = counting(args.updates * args.batch, args.seq, span=min(1000, args.vocab))
     called = time.perf_counter()
     result = pipetrain.train(model, data, loss_fn=nn.functional.cross_entropy, stages="auto", workers=args.workers,
                              optimizer=functools.partial(torch.optim.Adam, lr=args.lr), batch_size=args.batch,
@@ -60,6 +60,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--tied", action="store_true", help="tie the vocabulary head to the token embedding")
     args = parser.parse_args()
     runs = []
