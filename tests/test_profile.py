@@ -305,3 +305,18 @@ def test_a_layer_whose_first_run_takes_longer_than_its_time_runs_once_and_is_tim
     profile = profile_model(nn.Sequential(nn.Linear(4, 4), slow), torch.randn(8, 4), repeats=5, warmup=2,
                             layer_seconds=0.02)
     assert slow.calls == 1 and profile.layers[1].forward_s >= 0.05
+
+
+def test_with_a_time_per_layer_an_optimizer_step_on_the_same_shapes_is_timed_once():
+    calls = []
+
+    def sgd(params):
+        opt = torch.optim.SGD(params, lr=0.1)
+        calls.append(len(params))
+        return opt
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    profile = profile_model(model, torch.randn(8, 4), optimizer=sgd, repeats=2, warmup=1, layer_seconds=10.0)
+    assert len(calls) == 2 and profile.layers[1].optimizer_s == profile.layers[0].optimizer_s
+    profile_model(model, torch.randn(8, 4), optimizer=sgd, repeats=2, warmup=1)
+    assert len(calls) == 5  # without it, every layer's step is timed

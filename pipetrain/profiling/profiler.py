@@ -44,8 +44,9 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
             would take longer runs fewer: one untimed and as many timed as fit (at least one), or, if
             the first run alone took longer, just that one, timed. A large model's layers take long
             enough that their median needs few runs. A slow layer like one before it (a transformer's
-            blocks) runs no untimed run: the earlier one warmed it up. None: every layer runs
-            ``warmup + repeats`` times.
+            blocks) runs no untimed run: the earlier one warmed it up, and its optimizer step, on
+            parameters of the same shapes, is that one's. None: every layer runs ``warmup + repeats``
+            times.
 
     Returns:
         The profile, at the batch size and on the device of the input.
@@ -68,6 +69,7 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     measured = []
     slow: set[tuple[Any, ...]] = set()  # the kinds of layers run already that took over layer_seconds
+    steps: dict[tuple[Any, ...], float] = {}  # optimizer step seconds by the shapes of its parameters
     try:
         for k in range(len(layers)):
             stage = layers.stage(k, k)
@@ -79,7 +81,13 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
             if layer_seconds is not None and (fwd + bwd) * (warmup + repeats) > layer_seconds:
                 slow.add(kind)
             param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-            step = _time_optimizer(stage, optimizer, repeats, warmup, layer_seconds) if optimizer is not None else 0.0
+            shapes = tuple(p.shape for p in stage.parameters() if p.requires_grad)
+            if optimizer is None:
+                step = 0.0
+            elif layer_seconds is not None and shapes in steps:  # the same step on the same shapes
+                step = steps[shapes]
+            else:
+                step = steps[shapes] = _time_optimizer(stage, optimizer, repeats, warmup, layer_seconds)
             measured.append(LayerProfile(layers.labels[k], fwd, bwd, _nbytes(value), param_bytes, step))
     finally:
         with torch.no_grad():
