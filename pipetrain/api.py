@@ -144,7 +144,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     if workers is None and under_torchrun() and (isinstance(chosen, Auto) or chosen.data_parallel):
         workers = int(os.environ["WORLD_SIZE"])
     check_request(chosen, picked, stages, workers, bandwidth)
-    choice = None
+    choice, phases = None, {}
     if isinstance(chosen, Auto):
         assert workers is not None
         auto_pick = auto.choose(training, run, workers, bandwidth, chosen.allow_compression)
@@ -156,24 +156,25 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     else:
         picked = picked or as_schedule(DEFAULT_SCHEDULE)
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
-        plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers))
+        phases["capture_s"] = time.perf_counter() - started
+        plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases)
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
         cfg = JobConfig(training, run, chosen, picked, layout, layers)
     result = _launch(cfg, started, restarted)
-    result.plan, result.choice = plan, choice
+    result.plan, result.choice, result.phases = plan, choice, {**phases, **result.phases}
     result.predicted_samples_per_s = choice["predictions"][choice["choice"]] if choice else predicted
     return result
 
 
 def _plan(training: Training, run: RunOptions, schedule: PipelineSchedule, stages: Stages | None, workers: int | None,
-          bandwidth: float | str | None, num_layers: int) -> tuple[Plan | None, float | None]:
-    """The plan ``stages`` names (a Plan, a plan JSON path, or ``"auto"``: made here), checked against the
-    model's ``num_layers`` and the ``workers`` asked for, and its predicted samples/s; (None, None) for
-    stages given as first layers."""
+          bandwidth: float | str | None, num_layers: int, phases: dict[str, float]) -> tuple[Plan | None, float | None]:
+    """The plan ``stages`` names (a Plan, a plan JSON path, or ``"auto"``: made here, its phases' seconds
+    added to ``phases``), checked against the model's ``num_layers`` and the ``workers`` asked for, and its
+    predicted samples/s; (None, None) for stages given as first layers."""
     if isinstance(stages, str) and stages == "auto":
         assert workers is not None
-        return auto.plan_stages(training, run, schedule, workers, bandwidth)
+        return auto.plan_stages(training, run, schedule, workers, bandwidth, phases)
     if not isinstance(stages, (str, os.PathLike, Plan)):
         return None, None
     plan = stages if isinstance(stages, Plan) else Plan.load(stages)
@@ -207,6 +208,7 @@ def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
         if start.first_epoch >= cfg.training.epochs:
             return _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
         try:
+            launched = time.perf_counter()
             parts = run_rank(cfg, start)["parts"] if under_torchrun() else spawn(
                 run_rank, cfg.world, (cfg, start), describe=name,
                 silent_after=min(cfg.run.timeout / 2, SILENT_AFTER_S), log_dir=cfg.run.checkpoint_dir)
@@ -226,6 +228,9 @@ def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
             start = Start(start.attempt + 1, kept)
     result = gather(cfg.training.model, parts, name, since_epoch=first_epoch)
     result.started, result.restarts, result.epochs_trained = started, restarts, cfg.training.epochs - first_epoch
+    if not under_torchrun() and result.history:  # the workers share this process's clock
+        ready = max(part["ready"] for part in parts)
+        result.phases = {"start_s": ready - launched, "first_update_s": result.history[0]["time"] - ready}
     if cfg.run.trace_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         what = f"{cfg.strategy.name}, {cfg.world} workers" if cfg.data_parallel else \
             f"{cfg.schedule.name if cfg.schedule else ''}, stages {list(cfg.layout.boundaries or ())}"

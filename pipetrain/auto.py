@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from pipetrain.predict.pipeline import predict_plan
 from pipetrain.planning.units import parse_bandwidth
 from pipetrain.profiling import Profile, as_minibatch, profile_model, time_batching
 from pipetrain.registry import PipelineSchedule, Strategy, make
-from pipetrain.setup import measure_setup, model_step
+from pipetrain.setup import layer_step, measure_setup, model_step
 from pipetrain.timing import torch_threads
 from pipetrain.runtime.dist import init_distributed
 from pipetrain.runtime.launch import under_torchrun
@@ -56,6 +57,20 @@ def on_rank0(work: Callable[[], dict[str, Any]], run: RunOptions) -> dict[str, A
     return box[0]
 
 
+PROFILE_LAYER_S = 1.0
+"""The seconds a layer's profiling may take before it runs fewer times (``layer_seconds`` of
+:func:`pipetrain.profiling.profile_model`); a small model's layers never come near it."""
+
+STAND_IN_STEP_S = 0.25
+"""A model whose training step (its profile's forward and backward) takes longer than this has the run
+set-up measured with one of its layers standing in for the step (:func:`pipetrain.setup.layer_step`):
+the probes call their kernel dozens of times, which at a step of seconds would take minutes."""
+
+STAND_IN_S = 0.05
+"""About how long the layer that stands in for a slow step takes: it runs on as few of the minibatch's
+rows as take that long."""
+
+
 def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int | None = None,
                      step_rows: int | None = None, ring_cpu: bool = True) -> Profile:
     """The model profiled on the first minibatch (of ``batch_size`` rows, default the job's) with the
@@ -64,8 +79,10 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     (:func:`pipetrain.profiling.time_batching`) and priced with the run's ``loader_workers``; with the run set-up of ``workers`` local workers
     measured (:func:`pipetrain.setup.measure_setup`), their shared work a training step on the
     minibatch's first ``step_rows`` samples (default: all; a data-parallel worker's shard prices that
-    worker directly), our ring's CPU timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under
-    torchrun, whose workers this process does not start, no set-up is measured."""
+    worker directly; one layer stands in for a slow step, see :data:`STAND_IN_STEP_S`), our ring's CPU
+    timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under torchrun, whose workers this
+    process does not start, no set-up is measured. ``meta`` records the seconds each took
+    (``profile_s``, ``setup_s``)."""
     rows = t.batch_size if batch_size is None else batch_size
     threads = run.threads or shared_cores(workers)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -75,9 +92,11 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
         return to_device(collate_parts(t.dataset, range(min(n, t.items)), (0, 1), t.target_key, t.collate_fn), device)
 
     batch = first(rows)
+    begun = time.perf_counter()
     try:
         with torch_threads(threads):
-            measured = profile_model(model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2)
+            measured = profile_model(model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2,
+                                     layer_seconds=PROFILE_LAYER_S)
             measured.inputs_s, measured.targets_s, measured.both_s = time_batching(t.dataset, rows,
                                                                                    target_key=t.target_key,
                                                                                    collate_fn=t.collate_fn)
@@ -88,17 +107,27 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
         raise ValueError(f"the model failed on the dataset's first minibatch while pipetrain profiled it to plan: "
                          f"{one_line(e)}; check that the model, the loss and the dataset's samples "
                          "fit (dtype, shape)") from e
+    measured.meta["profile_s"] = time.perf_counter() - begun
     if not under_torchrun():
+        begun = time.perf_counter()
         step = batch if step_rows is None else first(step_rows)
-        measured.setup = measure_setup(workers, threads, model_step(model, tuple(step), t.loss_fn),
-                                       ring_bytes=measured.parameter_bytes, ring_cpu=ring_cpu, backend=run.backend)
+        layer_s = [x.forward_s + x.backward_s for x in measured.layers]
+        slow = sum(layer_s) * (step_rows or rows) / rows > STAND_IN_STEP_S
+        with torch_threads(threads):
+            kernel = (layer_step(model, batch[0], layer_s, STAND_IN_S) if slow else None) or \
+                model_step(model, tuple(step), t.loss_fn)
+        measured.setup = measure_setup(workers, threads, kernel, ring_bytes=measured.parameter_bytes,
+                                       ring_cpu=ring_cpu, backend=run.backend)
+        measured.meta["setup_s"] = time.perf_counter() - begun
     return measured
 
 
 def plan_stages(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
-                bandwidth: float | str | None) -> tuple[Plan, float | None]:
-    """``stages="auto"``: the plan for ``workers`` and its predicted samples/s (on rank 0 under torchrun)."""
+                bandwidth: float | str | None, phases: dict[str, float]) -> tuple[Plan, float | None]:
+    """``stages="auto"``: the plan for ``workers`` and its predicted samples/s (on rank 0 under torchrun),
+    the seconds of profiling, measuring the set-up and planning added to ``phases``."""
     found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH), run)
+    phases.update(found["phases"])
     return Plan.from_dict(found["plan"]), found["predicted"]
 
 
@@ -114,6 +143,7 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     (:func:`pipetrain.result.training_rate`), on the links this run has (the measured transport locally,
     ``bandwidth`` under torchrun), from a profile and set-up taken at the microbatch for a microbatched
     schedule (:func:`pipetrain.profiling.as_minibatch`)."""
+    begun = time.perf_counter()
     measured = measured_profile(t, run, workers, ring_cpu=False)
     straight = not schedule.replicable
     candidates = [plan(measured, workers, bandwidth, straight=straight)]
@@ -130,7 +160,10 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     chosen = candidates[best]
     if len(candidates) > 1:
         chosen.options["simulated_samples_per_s"] = {c.config: r for c, r in zip(candidates, rates)}
-    return {"plan": chosen.to_dict(), "predicted": rates[best] or None}
+    measuring = [measured] if at is measured else [measured, at]
+    phases = {key: sum(p.meta.get(key, 0.0) for p in measuring) for key in ("profile_s", "setup_s")}
+    phases["plan_s"] = time.perf_counter() - begun - sum(phases.values())
+    return {"plan": chosen.to_dict(), "predicted": rates[best] or None, "phases": phases}
 
 
 def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,

@@ -410,3 +410,12 @@ def flatten(value: Any) -> tuple[list[torch.Tensor], bool]:
 
 def unflatten(tensors: list[torch.Tensor], is_tuple: bool) -> Any:
     return tuple(tensors) if is_tuple else tensors[0]
+
+
+def received(tensors: list[torch.Tensor], grads: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What a stage gets across a cut: leaves that collect the gradient with respect to each received
+    floating-point tensor (when ``grads``), and copies of them for the stage to run on. The copies'
+    gradient is the leaves' exactly, and a first operation that works in place (``ReLU(inplace=True)``,
+    ``x += y``) neither fails on a leaf nor changes what was received."""
+    leaves = [t.detach().requires_grad_(grads and t.is_floating_point()) for t in tensors]
+    return leaves, [t.clone() for t in leaves]

@@ -56,6 +56,12 @@ class TrainResult:
         epochs_trained: epochs this call trained (0 when a resumed job had nothing left to train).
         choice: with ``strategy="auto"``: ``{"choice": NAME, "predictions": {NAME: samples/s}, "options",
             "skipped", "reason"}`` (:meth:`pipetrain.planning.choose.Choice.to_dict`).
+        peak_memory: per rank, the worker process's peak resident memory (bytes).
+        phases: seconds the call spent before training, by phase: ``capture_s`` (cutting the model
+            into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
+            and ``plan_s``; ``start_s`` (from starting the workers until each held its stage) and
+            ``first_update_s`` (from then to the first update), these two where this call started the
+            workers (not under torchrun).
     """
 
     model: nn.Module
@@ -70,6 +76,8 @@ class TrainResult:
     restarts: list[dict[str, Any]] = field(default_factory=list)
     epochs_trained: int = 0
     choice: dict[str, Any] | None = None
+    peak_memory: list[int] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def training_rate(records: list[dict[str, Any]]) -> float:
@@ -117,7 +125,8 @@ def gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], 
     speed = training_rate([h for h in history if h["epoch"] >= since_epoch])
     return TrainResult(full, history, speed, [part["trace"] for part in parts],
                        bytes_sent=[part["bytes_sent"] for part in parts],
-                       sync_stats=[part["sync_stats"] for part in parts])
+                       sync_stats=[part["sync_stats"] for part in parts],
+                       peak_memory=[part["peak_memory"] for part in parts])
 
 
 def write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],

@@ -59,3 +59,16 @@ def test_time_to_accuracy_parses_its_arguments() -> None:
     done = run("time_to_accuracy.py", "--help", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--wait-quiet" in done.stdout and "--attempts" in done.stdout
+
+
+def test_gpt2_real_reports_the_time_to_the_first_update_and_its_phases() -> None:
+    done = run("gpt2_real.py", "--vocab", "64", "--width", "32", "--depth", "2", "--heads", "2", "--seq", "16",
+               "--updates", "4", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = json.loads(done.stdout.splitlines()[0])
+    phases = first["phases"]
+    assert set(phases) == {"capture_s", "profile_s", "setup_s", "plan_s", "start_s", "first_update_s"}
+    # the phases follow one another within the call's time to its first update
+    assert 0 < sum(phases.values()) <= first["first_update_s"] + 1e-6
+    assert first["updates"] == 4 and len(first["peak_memory_gib"]) == 2 and min(first["peak_memory_gib"]) > 0
+    assert "| profile |" in done.stdout and "call -> first update" in done.stdout

@@ -268,3 +268,55 @@ def test_profile_times_the_optimizer_and_leaves_the_model_as_it_was(tmp_path):
         del entry["optimizer_s"]
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert Profile.load(tmp_path / "old.json").layers[0].optimizer_s == 0.0
+
+
+class Slow(nn.Module):
+    """A layer that takes 50 ms and counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        time.sleep(0.05)
+        return self.lin(x)
+
+
+def test_a_slow_layer_runs_one_untimed_and_as_many_timed_as_its_time_allows():
+    slow = Slow()
+    model = nn.Sequential(nn.Linear(4, 4), slow)
+    profile = profile_model(model, torch.randn(8, 4), repeats=5, warmup=2, layer_seconds=0.1)
+    assert slow.calls == 2  # 7 runs of 50 ms exceed 0.1 s: one untimed, one timed
+    assert profile.layers[1].forward_s >= 0.05
+    profile_model(model, torch.randn(8, 4), repeats=5, warmup=2)
+    assert slow.calls == 2 + 7  # no limit: warmup + repeats
+
+
+def test_a_slow_layer_like_one_before_it_runs_no_untimed_run():
+    first, second = Slow(), Slow()
+    second.load_state_dict(first.state_dict())
+    profile_model(nn.Sequential(first, second), torch.randn(8, 4), repeats=5, warmup=2, layer_seconds=0.1)
+    assert (first.calls, second.calls) == (2, 1)  # the first warmed the second's kind up
+
+
+def test_a_layer_whose_first_run_takes_longer_than_its_time_runs_once_and_is_timed():
+    slow = Slow()
+    profile = profile_model(nn.Sequential(nn.Linear(4, 4), slow), torch.randn(8, 4), repeats=5, warmup=2,
+                            layer_seconds=0.02)
+    assert slow.calls == 1 and profile.layers[1].forward_s >= 0.05
+
+
+def test_with_a_time_per_layer_an_optimizer_step_on_the_same_shapes_is_timed_once():
+    calls = []
+
+    def sgd(params):
+        opt = torch.optim.SGD(params, lr=0.1)
+        calls.append(len(params))
+        return opt
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    profile = profile_model(model, torch.randn(8, 4), optimizer=sgd, repeats=2, warmup=1, layer_seconds=10.0)
+    assert len(calls) == 2 and profile.layers[1].optimizer_s == profile.layers[0].optimizer_s
+    profile_model(model, torch.randn(8, 4), optimizer=sgd, repeats=2, warmup=1)
+    assert len(calls) == 5  # without it, every layer's step is timed

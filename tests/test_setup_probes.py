@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickle
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from handmade import MS
 from pt_models import Spell
 
 from pipetrain.jsonfile import read_field
-from pipetrain.setup import Setup, measure_setup, model_step
+from pipetrain.setup import Setup, layer_step, measure_setup, model_step
 from pipetrain.setup.collectives import STAGGER_S, staggered_calls
 from pipetrain.setup.compute import SETTLE_EXCESS, jitter_of_calls
 from pipetrain.setup.messages import COMPUTING_ROUNDS_SECONDS, computing_rounds
@@ -159,3 +160,19 @@ def test_staggered_calls_run_the_work_before_each_call_untimed():
     wall, _ = staggered_calls(call, 0, rounds=3, work=work)
     assert log == ["work", "call"] * 5
     assert len(wall) == 3 and max(wall) < 0.008
+
+
+def test_a_layer_stands_in_for_a_slow_models_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    # the first layer after the first, before the last, at least the median of those: layer 2 (3 >= 3)
+    kernel = layer_step(model, x, [5.0, 1.0, 3.0, 3.0, 9.0], seconds=1.0)
+    assert kernel is not None and list(kernel.stage.children()) == [model[2]]
+    assert torch.equal(kernel.inputs, torch.relu(model[0](x))[:1])  # 1 s of 3 s: a third of 5 rows
+    assert torch.equal(layer_step(model, x, [5.0, 1.0, 3.0, 3.0, 9.0], seconds=2.0).inputs,
+                       torch.relu(model[0](x))[:3])
+    kernel()  # a forward and backward, leaving no gradient behind
+    assert model[2].weight.grad is None and not kernel.inputs.requires_grad
+    assert len(pickle.dumps(kernel)) < len(pickle.dumps(model))  # only the layer travels to the probes
+    assert layer_step(model, x, [1.0, 2.0], seconds=1.0) is None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipetrain.bench.measure import PeerConfig
-from pipetrain.layers import LayeredModel
+from pipetrain.layers import LayeredModel, received
 from pipetrain.timing import median_seconds, torch_threads
 
 
@@ -57,14 +57,13 @@ def stage_times(peer: PeerConfig, boundaries: Sequence[int], repeats: int = 10, 
             last = s == len(pieces) - 1
             params = [p for p in piece.parameters() if p.requires_grad]
             with torch.no_grad():
-                seeds = None if last else [torch.ones_like(o) for o in as_tuple(piece(*value))
+                seeds = None if last else [torch.ones_like(o) for o in as_tuple(piece(*received(list(value), False)[1]))
                                            if o.is_floating_point()]
 
             def forward_backward() -> None:
                 for p in params:
                     p.grad = None
-                ins = tuple(t.detach().requires_grad_(s > 0 and t.is_floating_point()) for t in value)
-                result = piece(*ins)
+                result = piece(*received(list(value), s > 0)[1])
                 if last:
                     peer.spec.loss_fn(result, y).backward()
                 else:

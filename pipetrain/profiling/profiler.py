@@ -19,7 +19,7 @@ from pipetrain.batches import DEFAULT_TARGET_KEY, KeywordInputs, TargetKey, call
 
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                   *, optimizer: Callable[..., torch.optim.Optimizer] | None = None, repeats: int = 10,
-                  warmup: int = 2) -> Profile:
+                  warmup: int = 2, layer_seconds: float | None = None) -> Profile:
     """Measure every layer of ``model`` on one minibatch.
 
     Layer k runs alone, as ``LayeredModel(model).stage(k, k)``, on what layer k - 1 returned, so its
@@ -40,6 +40,13 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
             ``warmup`` steps, which create its state); the parameters are restored afterwards.
         repeats: timed runs per layer.
         warmup: untimed runs per layer before those.
+        layer_seconds: a layer (or optimizer step) whose first run shows that ``warmup + repeats`` runs
+            would take longer runs fewer: one untimed and as many timed as fit (at least one), or, if
+            the first run alone took longer, just that one, timed. A large model's layers take long
+            enough that their median needs few runs. A slow layer like one before it (a transformer's
+            blocks) runs no untimed run: the earlier one warmed it up, and its optimizer step, on
+            parameters of the same shapes, is that one's. None: every layer runs ``warmup + repeats``
+            times.
 
     Returns:
         The profile, at the batch size and on the device of the input.
@@ -61,14 +68,26 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     layers = LayeredModel(model, value)
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     measured = []
+    slow: set[tuple[Any, ...]] = set()  # the kinds of layers run already that took over layer_seconds
+    steps: dict[tuple[Any, ...], float] = {}  # optimizer step seconds by the shapes of its parameters
     try:
         for k in range(len(layers)):
             stage = layers.stage(k, k)
             last = loss_fn is not None and k == len(layers) - 1
             head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
-            fwd, bwd, value = _time_layer(stage, value, k > 0, head, repeats, warmup)
+            kind = _kind(stage, value)
+            fwd, bwd, value = _time_layer(stage, value, k > 0, head, repeats, 0 if kind in slow else warmup,
+                                          layer_seconds)
+            if layer_seconds is not None and (fwd + bwd) * (warmup + repeats) > layer_seconds:
+                slow.add(kind)
             param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-            step = _time_optimizer(stage, optimizer, repeats, warmup) if optimizer is not None else 0.0
+            shapes = tuple(p.shape for p in stage.parameters() if p.requires_grad)
+            if optimizer is None:
+                step = 0.0
+            elif layer_seconds is not None and shapes in steps:  # the same step on the same shapes
+                step = steps[shapes]
+            else:
+                step = steps[shapes] = _time_optimizer(stage, optimizer, repeats, warmup, layer_seconds)
             measured.append(LayerProfile(layers.labels[k], fwd, bwd, _nbytes(value), param_bytes, step))
     finally:
         with torch.no_grad():
@@ -112,14 +131,35 @@ def time_batching(dataset: Any, rows: int, repeats: int = 3, target_key: TargetK
     return inputs_s, targets_s, both_s
 
 
+def _kind(stage: nn.Module, x: Any) -> tuple[Any, ...]:
+    """What makes a layer's run the same as another's: its modules' types, its parameters' shapes and
+    its input's shapes (a graph layer's operator is in its code)."""
+    code = stage.code if isinstance(stage, torch.fx.GraphModule) else ""
+    return (code, tuple(type(m).__name__ for m in stage.modules()), tuple(p.shape for p in stage.parameters()),
+            tuple(t.shape for t in _tensors(x)))
+
+
+def _runs(first_s: float, repeats: int, warmup: int, seconds: float | None) -> tuple[int, int]:
+    """(repeats, warmup) for something whose first run took ``first_s``: as given, or within ``seconds``
+    (see :func:`profile_model`'s ``layer_seconds``)."""
+    if seconds is None or first_s * (warmup + repeats) <= seconds:
+        return repeats, warmup
+    if first_s > seconds:  # what a first run costs over the others is little beside seconds of work
+        return 1, 0
+    warmup = min(warmup, 1)
+    return max(1, min(repeats, int(seconds / max(first_s, 1e-12)) - warmup)), warmup
+
+
 def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any], torch.Tensor] | None,
-                repeats: int, warmup: int) -> tuple[float, float, Any]:
+                repeats: int, warmup: int, seconds: float | None = None) -> tuple[float, float, Any]:
     """(median forward s, median backward s, the output detached) of one layer."""
     params = [p for p in stage.parameters() if p.requires_grad]
     cuda = any(t.is_cuda for t in _tensors(x)) or any(p.is_cuda for p in params)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    forward, backward = [], []
-    for run in range(warmup + repeats):
+    forward: list[float] = []
+    backward: list[float] = []
+    run, first_s = 0, time.perf_counter()
+    while run < warmup + repeats:
         leaves = _map(x, lambda t: t.detach().requires_grad_(input_grads and t.is_floating_point()))
         # The layer gets copies: an in-place first op must not fail on a leaf or change the input.
         feed = _map(leaves, torch.clone)
@@ -137,14 +177,17 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
         if roots and wrt:
             torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
         sync()
+        if run == 0:
+            repeats, warmup = _runs(time.perf_counter() - first_s, repeats, warmup, seconds)
         if run >= warmup:
             forward.append(t1 - t0)
             backward.append(time.perf_counter() - t2)
+        run += 1
     return statistics.median(forward), statistics.median(backward), _map(y, torch.Tensor.detach)
 
 
 def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optimizer], repeats: int,
-                    warmup: int) -> float:
+                    warmup: int, seconds: float | None = None) -> float:
     """Median seconds of one ``optimizer`` step (with ``zero_grad``) on ``stage``'s trainable parameters,
     with gradients of ones; the parameters and their ``.grad`` are left as they were."""
     params = [p for p in stage.parameters() if p.requires_grad]
@@ -153,9 +196,11 @@ def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optim
     before = [(p.detach().clone(), p.grad) for p in params]
     cuda = any(p.is_cuda for p in params)
     opt = optimizer(params)
-    times = []
+    times: list[float] = []
+    repeats, run = max(repeats, 1), 0
     try:
-        for run in range(warmup + max(repeats, 1)):
+        while run < warmup + repeats:
+            first_s = time.perf_counter()
             for p in params:
                 p.grad = torch.ones_like(p)
             if cuda:
@@ -165,8 +210,11 @@ def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optim
             opt.zero_grad()
             if cuda:
                 torch.cuda.synchronize()
+            if run == 0:
+                repeats, warmup = _runs(time.perf_counter() - first_s, repeats, warmup, seconds)
             if run >= warmup:
                 times.append(time.perf_counter() - t0)
+            run += 1
     finally:
         with torch.no_grad():
             for p, (data, grad) in zip(params, before):

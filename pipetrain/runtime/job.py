@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
                           cfg.run.timeout)
     sync = cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
     worker, stage = build_worker(cfg, rank, device, transport, sync, start)
+    ready = time.perf_counter()
     optimizer, policy = worker.optimizer, worker.policy
     if cfg.run.loader_workers and layout.stage_of(rank) in (0, layout.num_stages - 1):  # a middle stage reads no data
         worker.source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch,
@@ -188,7 +191,8 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
               "history": [asdict(h) for h in worker.history] if layout.reporter(rank) else [],
               "trace": worker.trace or [],
               "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
-              "sync_stats": sync.stats() if sync else {}}
+              "sync_stats": sync.stats() if sync else {}, "ready": ready,
+              "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":  # torchrun: every rank gets every rank's part
         parts: list[Any] = [None] * world
         dist.all_gather_object(parts, result)

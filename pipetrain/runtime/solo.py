@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pipetrain.layers import LayeredModel, flatten, unflatten
+from pipetrain.layers import LayeredModel, flatten, received, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
 from pipetrain.runtime.transport import Message
 from pipetrain.batches import call, collate_parts, epoch_order, microbatch, per_epoch, to_device
@@ -155,13 +155,15 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
         with torch.no_grad():
             for part in parts[:stage]:
                 x = call(part, x)
+            activations = gradients = None
+            if stage > 0:
+                activations = Message(0, micro, 0, *flatten(x))
+                x = unflatten(received(activations.tensors, False)[1], activations.is_tuple)  # changed in place?
             out = call(parts[stage], x)
-        activations = Message(0, micro, 0, *flatten(x)) if stage > 0 else None
-        gradients = None
         if stage < len(parts) - 1:
             tensors, is_tuple = flatten(out)
-            leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in tensors]
-            y: Any = unflatten(leaves, is_tuple)
+            leaves, fed = received(tensors, True)
+            y: Any = unflatten(fed, is_tuple)
             for part in parts[stage + 1:]:
                 y = part(y)
             floats = [t for t in leaves if t.is_floating_point()]

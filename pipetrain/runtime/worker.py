@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from pipetrain.batches import call, microbatch, to_device
 from pipetrain.errors import one_line
-from pipetrain.layers import flatten, unflatten
+from pipetrain.layers import flatten, received, unflatten
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.loader import LoadError, Source, Task
 from pipetrain.runtime.transport import Channel, Message
@@ -266,8 +266,8 @@ class Worker:
         else:
             msg = self._inbox.pop(key)
             tag = msg.version
-            inputs = [t.requires_grad_() if t.is_floating_point() and self._scores is None else t for t in msg.tensors]
-            x = unflatten(inputs, msg.is_tuple)
+            inputs, fed = received(msg.tensors, self._scores is None)
+            x = unflatten(fed, msg.is_tuple)
         if self._scores is not None:
             return self._evaluate_forward(a, x)
         weights = self.policy.forward_weights(a.mb, tag)
@@ -301,6 +301,8 @@ class Worker:
             self._syncing[a.mb] = weights
         if self.policy.recompute:  # naive: forward again with the weights current now
             x = f.raw_input[0] if self._last else f.raw_input
+            if f.inputs:  # a received input: fresh copies of its leaves, as the forward ran on
+                x = unflatten([t.clone() for t in f.inputs], isinstance(x, tuple))
             with self._autocast(), self._blame(f"the forward of minibatch {a.mb}"):
                 out = call(self.stage, x, weights)
                 if self._last:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from pipetrain.batches import call
+from pipetrain.layers import LayeredModel, flatten, received, unflatten
 from pipetrain.timing import median_seconds
 
 
@@ -52,6 +53,49 @@ class ModelStep:
 def model_step(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> ModelStep:
     """A :class:`ModelStep` kernel of ``model`` on ``batch`` with ``loss_fn``."""
     return ModelStep(model, batch, loss_fn)
+
+
+@dataclass
+class LayerStep:
+    """A kernel for :func:`pipetrain.setup.measure_setup` that stands in for a model whose training step
+    is too long to run the dozens of times the probes call it: one forward and backward (seeded with
+    ones) of one of its layers, ``stage``, on what that layer receives, ``inputs``. Only the layer
+    travels to the probes' processes, not the model."""
+
+    stage: torch.nn.Module
+    inputs: Any
+
+    def __call__(self) -> None:
+        tensors, is_tuple = flatten(self.inputs)
+        out = self.stage(unflatten(received(tensors, True)[1], is_tuple))
+        roots = [t for t in flatten(out)[0] if t.requires_grad]
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+        self.stage.zero_grad(set_to_none=True)
+
+
+def layer_step(model: torch.nn.Module, example: Any, layer_s: list[float], seconds: float) -> LayerStep | None:
+    """The :class:`LayerStep` of ``model`` (cut as :class:`pipetrain.layers.LayeredModel` cuts it on the
+    minibatch input ``example``) at its first layer, after the first and before the last, whose forward
+    and backward (``layer_s``, per layer, at the minibatch) take at least the median layer's: a typical
+    layer, reached with little compute. It runs on as many of the minibatch's rows as take about
+    ``seconds`` (at least one), or on all of them where the layer does not take fewer. None for a model
+    of under 3 layers."""
+    if len(layer_s) < 3:
+        return None
+    middle = layer_s[1:-1]
+    k = 1 + next(i for i, s in enumerate(middle) if s >= statistics.median(middle))
+    layers = LayeredModel(model, example)
+    with torch.no_grad():
+        x = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, layers.stage(0, k - 1)(example))
+    stage = layers.stage(k, k)
+    n = flatten(x)[0][0].shape[0] if flatten(x)[0][0].dim() else 1
+    rows = max(1, min(n, int(n * seconds / max(layer_s[k], 1e-12))))
+    fewer = LayerStep(stage, pytree.tree_map_only(torch.Tensor, lambda t: t[:rows] if t.dim() and len(t) == n else t, x))
+    try:
+        fewer()
+        return fewer
+    except Exception:  # the cut carries a tensor whose first dimension is not the rows'
+        return LayerStep(stage, x)
 
 
 def matmul(n: int) -> None:
