@@ -1,4 +1,5 @@
-"""GPT-2 small at its real size (12 layers, width 768, vocabulary 50257; sequences of 128, batch 8),
+"""GPT-2 small at its real size (12 layers, width 768, vocabulary 50257, head tied to the token embedding
+as GPT-2 has it, 124M parameters; sequences of 128, batch 8),
 planned with ``stages="auto"`` on 2 workers: how long from the ``pipetrain.train`` call to the first
 update, and where does that time go?
 
@@ -36,7 +37,7 @@ def counting(n: int, seq: int, span: int = 1000, seed: int = 0) -> torch.utils.d
 
 def one_run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = gpt_like(args.vocab, args.width, args.depth, args.heads, args.seq, **({"tied": True} if args.tied else {}))
+    model = gpt_like(args.vocab, args.width, args.depth, args.heads, args.seq, tied=not args.untied)
     data = counting(args.updates * args.batch, args.seq, span=min(1000, args.vocab))
     called = time.perf_counter()
     result = pipetrain.train(model, data, loss_fn=nn.functional.cross_entropy, stages="auto", workers=args.workers,
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--tied", action="store_true", help="tie the vocabulary head to the token embedding")
+    parser.add_argument("--untied", action="store_true", help="a head of its own, not the token embedding's")
     args = parser.parse_args()
     runs = []
     for _ in range(args.runs):
