@@ -197,11 +197,14 @@ def lstm_lm(vocab: int = 96, embed: int = 64, hidden: int = 256, layers: int = 2
 
 
 class Tokens(nn.Module):
-    """Token embeddings plus learned position embeddings: ``(N, T)`` ids -> ``(N, T, width)``."""
+    """Token embeddings plus learned position embeddings: ``(N, T)`` ids -> ``(N, T, width)``, both drawn
+    with GPT-2's standard deviation 0.02 (a unit one, ``nn.Embedding``'s, would make a head tied to it
+    give logits in the hundreds)."""
 
     def __init__(self, vocab: int, width: int, context: int) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, width), nn.Parameter(torch.zeros(context, width))
+        nn.init.normal_(self.tokens.weight, std=0.02)
         nn.init.normal_(self.positions, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
