@@ -31,7 +31,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import pipetrain
 
-BATCH, WAIT_S, D_IN, HIDDEN, CLASSES = 64, 0.0005, 256, 512, 10
+BATCH, D_IN, HIDDEN, CLASSES = 64, 256, 512, 10
+WAIT_S = float(os.environ.get("LOADERS_WAIT_MS", "0.5")) / 1e3
+"""Each item's wait; ``LOADERS_WAIT_MS=0`` measures the same jobs with free items (what compute alone allows)."""
 
 
 class SlowReads(torch.utils.data.Dataset):
