@@ -113,10 +113,17 @@ def microbatch(value: Any, micro: int | None, m: int) -> Any:
 def to_device(value: Any, device: torch.device) -> Any:
     """A collated value (a tensor, or nested tuples, lists or dicts of tensors; anything else kept) on
     ``device``."""
+    return map_tensors(value, lambda t: t.to(device))
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``fn`` on every tensor of a nested tuple, list or dict, each container keeping its type (so
+    :class:`KeywordInputs` stay keyword inputs, which ``torch.utils._pytree`` would take for a leaf);
+    other values (e.g. sizes) pass through."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return fn(value)
     if isinstance(value, dict):
-        return type(value)((k, to_device(v, device)) for k, v in value.items())
+        return type(value)((k, map_tensors(v, fn)) for k, v in value.items())
     if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
     return value

@@ -30,11 +30,12 @@ layer uses crosses the cuts like any other value. Later stages take what crosses
 """
 from __future__ import annotations
 
+import bisect
 import inspect
 import operator
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -132,7 +133,7 @@ class LayeredModel:
         of an ``nn.Sequential``). Each goes by its first name in ``model.named_parameters()``."""
         out = {}
         for name, (layers, _) in self.tied_layers().items():
-            stages = sorted({sum(k >= b for b in boundaries) - 1 for k in layers})
+            stages = stages_of(layers, boundaries)
             if len(stages) > 1:
                 out[name] = stages
         return out
@@ -384,6 +385,11 @@ def split_points(stages: Sequence[int | str], labels: Sequence[str], model: str)
         out.insert(0, 0)
     check_boundaries(out, len(labels))
     return out
+
+
+def stages_of(layers: Iterable[int], boundaries: Sequence[int]) -> list[int]:
+    """The stages (in order, each once) that hold ``layers``, for stages beginning at ``boundaries``."""
+    return sorted({bisect.bisect_right(boundaries, k) - 1 for k in layers})
 
 
 def check_boundaries(boundaries: list[int], num_layers: int) -> None:

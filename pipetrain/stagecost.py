@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pipetrain import costs
-from pipetrain.layers import check_boundaries
+from pipetrain.layers import check_boundaries, stages_of
 from pipetrain.profiling import Profile
 
 
@@ -85,7 +85,7 @@ def tied_stages(profile: Profile, boundaries: Sequence[int]) -> list[tuple[list[
     new value back."""
     out = []
     for layers, nbytes in profile.ties:
-        stages = sorted({sum(k >= b for b in boundaries) - 1 for k in layers})
+        stages = stages_of(layers, boundaries)
         if len(stages) > 1:
             out.append((stages, nbytes))
     return out

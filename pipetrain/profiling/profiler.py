@@ -14,7 +14,7 @@ from torch import nn
 
 from pipetrain.layers import LayeredModel
 from pipetrain.profiling.profile import LayerProfile, Profile
-from pipetrain.batches import DEFAULT_TARGET_KEY, KeywordInputs, TargetKey, call, collate_parts
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, call, collate_parts, map_tensors
 
 
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -160,9 +160,9 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
     backward: list[float] = []
     run, first_s = 0, time.perf_counter()
     while run < warmup + repeats:
-        leaves = _map(x, lambda t: t.detach().requires_grad_(input_grads and t.is_floating_point()))
+        leaves = map_tensors(x, lambda t: t.detach().requires_grad_(input_grads and t.is_floating_point()))
         # The layer gets copies: an in-place first op must not fail on a leaf or change the input.
-        feed = _map(leaves, torch.clone)
+        feed = map_tensors(leaves, torch.clone)
         sync()
         t0 = time.perf_counter()
         y = call(stage, feed)
@@ -183,7 +183,7 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
             forward.append(t1 - t0)
             backward.append(time.perf_counter() - t2)
         run += 1
-    return statistics.median(forward), statistics.median(backward), _map(y, torch.Tensor.detach)
+    return statistics.median(forward), statistics.median(backward), map_tensors(y, torch.Tensor.detach)
 
 
 def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optimizer], repeats: int,
@@ -221,18 +221,6 @@ def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optim
                 p.copy_(data)
                 p.grad = grad
     return statistics.median(times)
-
-
-def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``fn`` on every tensor of a nested tuple/list/dict; other values (e.g. sizes) pass through."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        mapped = {k: _map(v, fn) for k, v in value.items()}
-        return KeywordInputs(mapped) if isinstance(value, KeywordInputs) else mapped
-    return value
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -93,7 +93,7 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
         # captured on the worker's device: an exported graph fixes the device of tensors it makes (arange)
         layers = LayeredModel(t.model.to(device), to_device(cfg.example(), device))
         stage = layers.stage(*layout.layer_range(stage_idx, len(layers))).to(device)
-    tied = TiedCopies(stage, t.model, [(tie.name, tie.stages) for tie in cfg.ties], layout, rank, transport) \
+    tied = TiedCopies(stage, t.model, cfg.ties, layout, rank, transport) \
         if exchange_ties and any(stage_idx in tie.stages for tie in cfg.ties) else None
     borrowed = tied.borrowed if tied is not None else set()
     params = [p for n, p in stage.named_parameters() if p.requires_grad and n not in borrowed]
@@ -134,8 +134,7 @@ def _recipe(cfg: JobConfig) -> Recipe:
 
 def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     t, layout = cfg.training, cfg.layout
-    ties = [(tie.name, tie.stages) for tie in cfg.ties]
-    transport = Transport(rank, sorted(set(layout.edges()) | set(tied_edges(ties, layout))), layout.name, device,
+    transport = Transport(rank, sorted(set(layout.edges()) | set(tied_edges(cfg.ties, layout))), layout.name, device,
                           cfg.run.timeout)
     sync = cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
     worker, stage = build_worker(cfg, rank, device, transport, sync, start)

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as tmp
 from torch.utils.data import TensorDataset
 
-from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, collate_parts
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, collate_parts, map_tensors
 from pipetrain.errors import one_line
 from pipetrain.runtime.launch import LOADER_DIED, die_with_parent
 
@@ -212,7 +212,7 @@ class Loaders:
             _, done = self._given.pop(got)
             if error is not None:
                 raise LoadError(f"loader {k} failed on {_where(error[0], done.items)} of minibatch {got}: {error[1]}")
-            self._ready[got] = [_pinned(v) for v in values] if self.pin else values
+            self._ready[got] = map_tensors(values, torch.Tensor.pin_memory) if self.pin else values
         values = self._ready.pop(mb)
         self._fill()
         return values
@@ -246,11 +246,3 @@ def _serve(recipe: Recipe, conn: Connection) -> None:
             conn.send((task.mb, None, (e.item, e.error)))
         except Exception as e:  # collating the user's items may raise anything
             conn.send((task.mb, None, (None, one_line(e))))
-
-
-def _pinned(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.pin_memory()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_pinned(v) for v in value)
-    return value

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pipetrain.config import Tie
 from pipetrain.layout import Layout
 from pipetrain.runtime.transport import Channel, Message
 
@@ -37,12 +38,12 @@ GRADIENTS, VALUES = 1, 2
 """Transport channels: a borrower's gradients to the owner, the owner's new values to a borrower."""
 
 
-def edges(ties: Sequence[tuple[str, Sequence[int]]], layout: Layout) -> list[tuple[int, int]]:
+def edges(ties: Sequence[Tie], layout: Layout) -> list[tuple[int, int]]:
     """The directed worker pairs the tied parameters' messages use (owner to borrower and back)."""
     out = set()
-    for _, stages in ties:
-        owner = layout.first_rank(stages[0])
-        for s in stages[1:]:
+    for tie in ties:
+        owner = layout.first_rank(tie.stages[0])
+        for s in tie.stages[1:]:
             out |= {(owner, layout.first_rank(s)), (layout.first_rank(s), owner)}
     return sorted(out)
 
@@ -53,8 +54,7 @@ class TiedCopies:
     Args:
         stage: this worker's stage module.
         model: the whole model the stage was cut from (its parameters are the stage's objects).
-        ties: (the parameter's first name in the model, the stages that read it), for every tie of
-            the job.
+        ties: every tie of the job.
         layout: the job's workers.
         rank: this worker's rank.
         channel: the worker's transport.
@@ -62,7 +62,7 @@ class TiedCopies:
     :meth:`start` gives the copies their first values.
     """
 
-    def __init__(self, stage: nn.Module, model: nn.Module, ties: Sequence[tuple[str, Sequence[int]]],
+    def __init__(self, stage: nn.Module, model: nn.Module, ties: Sequence[Tie],
                  layout: Layout, rank: int, channel: Channel) -> None:
         by_name = dict(model.named_parameters(remove_duplicate=False))
         local: dict[int, str] = {}  # a parameter's first name in the stage, as named_parameters() gives it
@@ -74,17 +74,17 @@ class TiedCopies:
         self.borrowers: dict[int, list[str]] = {}  # as owner: borrower rank -> the local names it gets
         self.lenders: dict[int, list[str]] = {}  # as borrower: owner rank -> the local names it lends
         me = layout.stage_of(rank)
-        for name, stages in ties:
-            if me not in stages:
+        for tie in ties:
+            if me not in tie.stages:
                 continue
-            mine = local[id(by_name[name])]
-            self.live[mine] = by_name[name]
-            if stages[0] == me:
+            mine = local[id(by_name[tie.name])]
+            self.live[mine] = by_name[tie.name]
+            if tie.stages[0] == me:
                 self.owned.append(mine)
-                for s in stages[1:]:
+                for s in tie.stages[1:]:
                     self.borrowers.setdefault(layout.first_rank(s), []).append(mine)
             else:
-                self.lenders.setdefault(layout.first_rank(stages[0]), []).append(mine)
+                self.lenders.setdefault(layout.first_rank(tie.stages[0]), []).append(mine)
         self._versions: dict[str, dict[int, torch.Tensor]] = {}
         self._lent = 0  # the newest version received from the owners
         self._used: dict[int, dict[str, int]] = {}  # minibatch in flight -> the version of each it read
@@ -135,7 +135,7 @@ class TiedCopies:
     def before_update(self) -> None:
         """At an update: a borrower sends the gradients taken since the last one to each owner; the
         owner puts the sum of every copy's on its parameters' ``.grad`` (before clipping)."""
-        total = {n: _sum([g[n] for g in self._grads]) for n in self.live}
+        total = {n: sum((g[n] for g in self._grads[1:]), self._grads[0][n]) for n in self.live}
         self._grads = []
         for owner, names in self.lenders.items():
             self.channel.send(owner, Message(self._updates, None, 0, [total[n] for n in names], False, GRADIENTS))
@@ -181,10 +181,3 @@ class TiedCopies:
 
 def _leaf(p: torch.Tensor) -> torch.Tensor:
     return p.detach().clone().requires_grad_()
-
-
-def _sum(grads: list[torch.Tensor]) -> torch.Tensor:
-    total = grads[0]
-    for g in grads[1:]:
-        total = total + g
-    return total

@@ -328,9 +328,9 @@ class Worker:
             grads_in = [torch.zeros_like(t) if t.grad is None else t.grad for t in floats]
             self._out[key] = Message(a.mb, a.micro, 0, grads_in, False)
         last_micro = a.micro is None or a.micro == self._sched.microbatches - 1
-        if last_micro and self.tied is not None:
-            self.tied.take_gradient(a.mb)
         if last_micro:
+            if self.tied is not None:
+                self.tied.take_gradient(a.mb)
             self._collated.pop((a.mb, 0), None)
             self._collated.pop((a.mb, 1), None)
         if last_micro and self.grad_sync is None:  # else at the S action, once the sync is done
