@@ -137,7 +137,7 @@ def table(found: dict[str, Any], device: str, size: dict[str, int], batch: int, 
     """The Markdown table of what :func:`main` measured."""
     def cell(key: str, field: str, fmt: str) -> str:
         value = found.get(key, {})
-        return value["error"] if "error" in value else format(value[field], fmt) if field in value else "-"
+        return format(value[field], fmt) if field in value else "-"
 
     def ratio(a: str, b: str) -> str:
         x, y = found.get(a, {}), found.get(b, {})
@@ -157,7 +157,9 @@ def table(found: dict[str, Any], device: str, size: dict[str, int], batch: int, 
             ("DDP, 2 workers sharing the GPU (gloo)", "ddp 2 workers", ""),
             ("CGDP, 2 workers sharing the GPU", "cgdp 2 workers", ratio("cgdp 2 workers", "ddp 2 workers"))]
     for label, key, against in rows:
-        lines.append(f"| {label} | {cell(key, 'samples_per_s', '.1f')} | {cell(key, 'step_s', '.4f')} | {against} |")
+        failed = found.get(key, {}).get("error")
+        lines.append(f"| {label} | failed: {failed} | | |" if failed else
+                     f"| {label} | {cell(key, 'samples_per_s', '.1f')} | {cell(key, 'step_s', '.4f')} | {against} |")
     predicted, measured = found.get("profiler predicted step"), one.get("fp32")
     if isinstance(predicted, float) and measured:
         lines += ["", f"The profiler's predicted float32 step: {predicted:.4f} s against {measured:.4f} s measured "

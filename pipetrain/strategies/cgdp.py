@@ -220,8 +220,10 @@ class HostSum(GradSync):
             p.grad = None  # the host holds the gradient now
         if self._cuda:
             slot = self._host.slots[self.local_rank]
+            # the compute stream is read before the context makes the D2H stream current: the
+            # copies wait for the kernels that made these gradients
+            self._d2h.wait_stream(torch.cuda.current_stream(self.ctx.device))
             with torch.cuda.stream(self._d2h):
-                self._d2h.wait_stream(torch.cuda.current_stream(self.ctx.device))
                 for offset, n, g in grads:
                     if g is None:
                         slot[offset:offset + n].zero_()
@@ -269,6 +271,10 @@ class HostSum(GradSync):
         if slowest is not None:
             self._slowest = slowest
         total = self._host.total[self._stamp % 2]
+        if self._cuda:
+            # The new .grad comes from the compute stream's pool, where the block may have just been
+            # freed by kernels still queued there: the copy into it waits for them.
+            self._h2d.wait_stream(torch.cuda.current_stream(self.ctx.device))
         for p in self._chunks[c]:
             view = total[self._offset[p]:self._offset[p] + p.numel()].view(p.shape)
             if self._cuda:

@@ -212,7 +212,9 @@ class Quant8(Codec):
         scale = payload[:4 * groups].view(torch.float32)
         og = out.view(groups, QUANT_GROUP)
         og.copy_(payload[4 * groups:].view(torch.int8).view(groups, QUANT_GROUP))
-        og.mul_((scale / 127.0)[:, None])
+        # a tensor divisor: CUDA divides by a Python number as a multiply by its reciprocal, which
+        # rounds differently from the CPU's division
+        og.mul_((scale / scale.new_full((), 127.0))[:, None])
         return out
 
 
