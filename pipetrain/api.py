@@ -25,6 +25,9 @@ from pipetrain.runtime.job import Start, metrics_log, run_rank
 from pipetrain.runtime.dist import check_backend, local_workers
 from pipetrain.runtime.launch import spawn, under_torchrun
 
+AUTO = "auto"
+"""What ``stages``, ``strategy`` and ``schedule`` say to be planned, chosen or picked here."""
+
 Stages = Sequence[int | str] | Plan | str | os.PathLike
 
 
@@ -59,7 +62,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             (``result.choice`` records it).
         schedule: a pipeline's schedule: ``"pipedream"`` (the default), ``"naive"``, ``"gpipe"``,
             ``"1f1b-flush"``, ``"model-parallel"``, or an object with options:
-            ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``.
+            ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``; or
+            ``"auto"`` with ``stages="auto"``: every schedule is simulated at each microbatch count for the
+            plan, the table printed, and the fastest run (``result.plan.options["schedules"]`` keeps it).
         stages: pipeline: the first layer index of each stage (one worker each), or the submodule each
             later stage begins at (``["transformer.h.2", "transformer.h.4"]``; the two may mix); or a
             ``Plan``, or a plan JSON path (``pipetrain plan -o``), which may replicate stages; or
@@ -140,11 +145,15 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
                      trace_dir=None if isinstance(trace, bool) else _path(trace), backend=backend,
                      loader_workers=loader_workers, prefetch=prefetch)
     chosen = as_strategy(strategy)
-    picked = None if schedule is None else as_schedule(schedule)
+    schedule_auto = isinstance(schedule, str) and schedule == AUTO
+    if schedule_auto and not (isinstance(stages, str) and stages == AUTO):
+        raise ValueError("schedule='auto' prices every schedule for a plan it makes: give stages='auto' and "
+                         "workers=N as well (CLI: --schedule auto --plan auto --workers N)")
+    picked = None if schedule is None or schedule_auto else as_schedule(schedule)
     if workers is None and under_torchrun() and (isinstance(chosen, Auto) or chosen.data_parallel):
         workers = int(os.environ["WORLD_SIZE"])
-    check_request(chosen, picked, stages, workers, bandwidth)
-    choice, phases = None, {}
+    check_request(chosen, schedule if schedule_auto else picked, stages, workers, bandwidth)
+    choice, phases = None, {}  # type: dict[str, Any] | None, dict[str, float]
     if isinstance(chosen, Auto):
         assert workers is not None
         auto_pick = auto.choose(training, run, workers, bandwidth, chosen.allow_compression)
@@ -154,10 +163,15 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         cfg = JobConfig(training, run, chosen, None, Layout.data_parallel_on(workers))
         plan, predicted = None, None
     else:
+        if schedule_auto:
+            assert workers is not None
+            picked, plan, predicted, _ = auto.plan_schedule(training, run, workers, bandwidth, phases)
         picked = picked or as_schedule(DEFAULT_SCHEDULE)
+        captured = time.perf_counter()
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
-        phases["capture_s"] = time.perf_counter() - started
-        plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases)
+        phases["capture_s"] = time.perf_counter() - (captured if schedule_auto else started)
+        if not schedule_auto:
+            plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases)
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
         cfg = JobConfig(training, run, chosen, picked, layout, layers)

@@ -22,6 +22,7 @@ from pipetrain.errors import one_line
 from pipetrain.layers import LayerError
 from pipetrain.planning import Plan, plan
 from pipetrain.planning.choose import Choice, choose_strategy
+from pipetrain.planning.schedules import ScheduleChoice, choose_schedule
 from pipetrain.predict.pipeline import predict_plan
 from pipetrain.planning.units import parse_bandwidth
 from pipetrain.profiling import Profile, as_minibatch, profile_model, time_batching
@@ -164,6 +165,32 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     phases = {key: sum(p.meta.get(key, 0.0) for p in measuring) for key in ("profile_s", "setup_s")}
     phases["plan_s"] = time.perf_counter() - begun - sum(phases.values())
     return {"plan": chosen.to_dict(), "predicted": rates[best] or None, "phases": phases}
+
+
+def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,
+                  phases: dict[str, float]) -> tuple[PipelineSchedule, Plan, float, dict[str, Any]]:
+    """``schedule="auto"`` with ``stages="auto"``: measure on rank 0, price every schedule at each
+    microbatch count for the planned stages (:func:`pipetrain.planning.schedules.choose_schedule`),
+    print the table and the reason, and return the fastest schedule, its plan, its predicted samples/s
+    and the whole table (``ScheduleChoice.to_dict()``)."""
+    def work() -> dict[str, Any]:
+        begun = time.perf_counter()
+        measured = measured_profile(t, run, workers, ring_cpu=False)
+        link = Link(parse_bandwidth(bandwidth or DEFAULT_BANDWIDTH)) if under_torchrun() else Link()
+        found = choose_schedule(measured, workers, bandwidth or DEFAULT_BANDWIDTH, t.batch_size, link=link,
+                                minibatches=max(per_epoch(t.items, t.batch_size, 1), 1))
+        spent = {key: measured.meta.get(key, 0.0) for key in ("profile_s", "setup_s")}
+        spent["plan_s"] = time.perf_counter() - begun - sum(spent.values())
+        return {"choice": found.to_dict(), "phases": spent}
+
+    found = on_rank0(work, run)
+    phases.update(found["phases"])
+    choice = ScheduleChoice.from_dict(found["choice"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"pipetrain: schedule auto\n{choice.table()}\n{choice.reason}", flush=True)
+    chosen = choice.plan
+    chosen.options["schedules"] = found["choice"]
+    return choice.schedule(), chosen, choice.chosen.samples_per_s or 0.0, found["choice"]
 
 
 def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,

@@ -320,7 +320,7 @@ def shared_cores(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_workers(workers))
 
 
-def check_request(strategy: Strategy | Auto, schedule: PipelineSchedule | None, stages: Any, workers: Any,
+def check_request(strategy: Strategy | Auto, schedule: PipelineSchedule | str | None, stages: Any, workers: Any,
                   bandwidth: Any) -> None:
     """The choices of ``pipetrain.train`` that say where the work goes, checked together before anything is
     measured or planned: each strategy takes its own of ``schedule``, ``stages``, ``workers`` and

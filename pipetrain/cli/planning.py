@@ -16,6 +16,7 @@ from pipetrain.cli.common import (
 from pipetrain.layers import split_points
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.choose import CANDIDATES, choose_strategy
+from pipetrain.planning.schedules import choose_schedule
 from pipetrain.planning.units import format_bandwidth
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, Auto, Strategy, as_strategy, make, schedule_of
@@ -64,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategies", default=None,
                    help="'all' or some of " + ", ".join(CANDIDATES) + ": predict each strategy's samples/s and "
                         "pick the fastest (strategy='auto') instead of printing the pipeline plan")
+    p.add_argument("--schedules", default=None,
+                   help="'all' or some of " + ", ".join(SCHEDULES) + ": simulate each schedule at each microbatch "
+                        "count for the plan, with --memory as the limit, and pick the fastest (schedule='auto')")
     p.add_argument("--allow-compression", action="store_true", help="--strategies: may pick trunc16 or quant8")
     p.add_argument("--one-machine", action="store_true", help="--strategies: the workers share one machine (cgdp "
                                                               "competes), linked at --bandwidth")
@@ -167,12 +171,16 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     _at_least(args, workers=1, workers_per_server=1, batch_size=1)
-    if args.batch_size is not None and args.strategies is None:
-        raise ValueError("--batch-size prices samples/s for --strategies; a pipeline plan alone is timed per "
-                         "minibatch of the profile (drop --batch-size, or add --strategies all)")
+    if args.batch_size is not None and args.strategies is None and args.schedules is None:
+        raise ValueError("--batch-size prices samples/s for --strategies or --schedules; a pipeline plan alone is "
+                         "timed per minibatch of the profile (drop --batch-size, or add --strategies all)")
+    if args.strategies is not None and args.schedules is not None:
+        raise ValueError("--strategies and --schedules each pick one thing; give one of them")
     profile = Profile.load(args.profile)
     if args.strategies is not None:
         return _choose(args, profile)
+    if args.schedules is not None:
+        return _schedules(args, profile)
     result = plan(profile, args.workers, args.bandwidth, straight=args.straight, memory=args.memory,
                   workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
                   fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile)
@@ -200,6 +208,27 @@ def _choose(args: argparse.Namespace, profile: Profile) -> None:
         return
     print(choice.table())
     print(choice.reason)
+
+
+def _schedules(args: argparse.Namespace, profile: Profile) -> None:
+    """``plan --schedules``: every schedule priced for the plan, the table and the choice."""
+    if args.straight or args.workers_per_server or args.fewer_workers or args.allow_compression or args.one_machine:
+        raise ValueError("--schedules plans each schedule's stages itself; drop --straight, --workers-per-server, "
+                         "--fewer-workers, --allow-compression and --one-machine")
+    _know_batch_size(args, profile)
+    names = None if args.schedules == "all" else [n.strip() for n in args.schedules.split(",") if n.strip()]
+    choice = choose_schedule(profile, args.workers, args.bandwidth, args.batch_size, memory=args.memory,
+                             schedules=names)
+    if args.output:
+        choice.plan.save(args.output)
+    if args.json:
+        print(json.dumps(choice.to_dict()))
+        return
+    print(choice.table())
+    print(choice.reason)
+    if args.output:
+        print(f"wrote {args.output} (run it with --schedule {choice.chosen.schedule}"
+              + (f" --microbatches {choice.chosen.microbatches})" if choice.chosen.microbatches > 1 else ")"))
 
 
 def describe(result: Plan, profile: Profile) -> str:

@@ -76,7 +76,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-compression", action="store_true",
                    help="--strategy auto: may pick a codec that changes the arithmetic (trunc16, quant8)")
     p.add_argument("--schedule", default=None,
-                   help=f"pipeline: {' | '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE})")
+                   help=f"pipeline: {' | '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE}), or auto with --plan "
+                        "auto: simulate every schedule and microbatch count, print the table, run the fastest")
     p.add_argument("--vertical-sync", action="store_true",
                    help="pipedream: every stage uses the input stage's weight version")
     p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update of the whole job")
@@ -168,7 +169,14 @@ def _strategy_and_schedule(args: argparse.Namespace) -> tuple[Any, Any]:
              "warmup_epochs": args.warmup_epochs or None, "allow_compression": args.allow_compression or None,
              "microbatches": args.microbatches if args.microbatches != 1 else None,
              "vertical_sync": args.vertical_sync or None}
-    return from_options(args.strategy, args.schedule, **{k: v for k, v in given.items() if v is not None})
+    options = {k: v for k, v in given.items() if v is not None}
+    if args.schedule == "auto":
+        mine = [k for k in ("microbatches", "vertical_sync") if k in options]
+        if mine:
+            raise ValueError(f"--schedule auto picks the schedule and its options itself; drop "
+                             f"--{mine[0].replace('_', '-')}")
+        return from_options(args.strategy, None, **options)[0], "auto"
+    return from_options(args.strategy, args.schedule, **options)
 
 
 def _metrics(text: str | None) -> dict[str, Any] | None:

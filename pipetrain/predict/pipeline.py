@@ -11,18 +11,28 @@ import math
 from pipetrain.planning.result import Plan
 from pipetrain.profiling import Profile
 from pipetrain.schedule.kinds import PipeDream, PipelineSchedule
+from pipetrain.simresult import SimResult
 from pipetrain.simulate import Link, simulate
+
+
+def simulate_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
+                  schedule: PipelineSchedule = PipeDream(), minibatches: int = 32) -> tuple[SimResult, int]:
+    """``chosen`` run by ``schedule`` over ``link`` in the simulator for about ``minibatches``, rounded up
+    so every replica joins every sync: the result and the minibatches simulated."""
+    every = math.lcm(*chosen.replicas)
+    count = -(-minibatches // every) * every
+    return simulate(schedule.build(chosen.replicas, count), profile, chosen.boundaries, link, batch_size), count
+
+
+def epoch_rate(sim: SimResult, minibatches: int, batch_size: int) -> float:
+    """Samples/s of an epoch of ``minibatches`` as it runs: the pipeline filled at its start and drained at
+    its end (samples over the simulated makespan; the runtime runs each epoch so)."""
+    return minibatches * batch_size / sim.makespan_s if sim.makespan_s > 0 else 0.0
 
 
 def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
                  schedule: PipelineSchedule = PipeDream(), minibatches: int = 32, epoch: bool = False) -> float:
-    """Samples/s of ``chosen`` run by ``schedule`` over ``link``, simulated for about ``minibatches``
-    (rounded up so every replica joins every sync): the steady rate, or with ``epoch`` the rate of an
-    epoch of them as it runs, the pipeline filled at its start and drained at its end (samples over the
-    simulated makespan; the runtime runs each epoch so)."""
-    every = math.lcm(*chosen.replicas)
-    count = -(-minibatches // every) * every
-    sim = simulate(schedule.build(chosen.replicas, count), profile, chosen.boundaries, link, batch_size)
-    if epoch:
-        return count * batch_size / sim.makespan_s if sim.makespan_s > 0 else 0.0
-    return sim.samples_per_s or 0.0
+    """Samples/s of ``chosen`` run by ``schedule`` over ``link`` (:func:`simulate_plan`): the steady rate,
+    or with ``epoch`` the rate of an epoch as it runs (:func:`epoch_rate`)."""
+    sim, count = simulate_plan(profile, chosen, link, batch_size, schedule, minibatches)
+    return epoch_rate(sim, count, batch_size) if epoch else sim.samples_per_s or 0.0
