@@ -55,6 +55,20 @@ def test_torch_pipeline(schedule: str) -> None:
     assert results[0]["runner"] == f"torch-{schedule}"
 
 
+def test_torch_looped_schedules_hold_stages_rank_rank_plus_world() -> None:
+    """Stages [0, 2, 3, 5] of Flatten, Linear, ReLU, Linear, ReLU, Linear on 2 ranks: rank 0 holds stages
+    0 and 2, rank 1 stages 1 and 3; every cut carries 16 floats a sample."""
+    results = spawn(torch_pipeline, 2, (TINY, [0, 2, 3, 5], 4, "interleaved-1f1b"))
+    check_sane(results, TINY)
+    # rank 0 sends 2 activations forward and 1 gradient back; rank 1 one forward and 2 back
+    assert [r["counted_bytes_per_sample"] for r in results] == [192.0, 192.0]
+    assert [r["params"] for r in results] == [784 * 16 + 16 + 16 * 16 + 16, 16 * 10 + 10]
+    assert results[0]["loss"] is None and math.isfinite(results[1]["loss"])
+    zero = spawn(torch_pipeline, 2, (TINY, [0, 3], 4, "zero-bubble"))
+    check_sane(zero, TINY)
+    assert [r["counted_bytes_per_sample"] for r in zero] == [64.0, 64.0] and zero[0]["runner"] == "torch-zero-bubble"
+
+
 def test_torch_pipeline_cuts_an_fx_model_inside_a_residual_block() -> None:
     """resnet-like is not a Sequential; a cut inside a block sends the branch and the shortcut (a tuple)."""
     cfg = PeerConfig(model="resnet-like", model_kwargs={"width": 4, "blocks": (1, 1)}, batch_size=8, warmup=1,
@@ -111,7 +125,9 @@ def test_no_sync_trains_each_shard_alone() -> None:
 def test_bad_arguments_fail_with_one_line() -> None:
     with pytest.raises(ValueError, match="not in the zoo"):
         PeerConfig(model="gpt-5")
-    with pytest.raises(PipetrainError, match="microbatches >= stages"):
+    with pytest.raises(PipetrainError, match=r"1f1b needs microbatches >= ranks \(2\)"):
         spawn(torch_pipeline, 2, (TINY, [0, 3], 1, "1f1b"))
+    with pytest.raises(PipetrainError, match="3 stages do not loop evenly over 2 ranks"):
+        spawn(torch_pipeline, 2, (TINY, [0, 2, 3], 4, "interleaved-1f1b"))
     with pytest.raises(PipetrainError, match="batch_size=16 must be divisible by the 3 ps-sync workers"):
         spawn(ps_sync, 4, (TINY,))

@@ -160,24 +160,47 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
+"""torch's schedules the bench runs: ``Schedule1F1B``, ``ScheduleGPipe`` (one stage per rank),
+``ScheduleInterleaved1F1B`` (v stages per rank, looped) and ``ScheduleInterleavedZeroBubble`` (ZB1P: with
+one stage per rank, zero bubble's ZB-H1; with v, looped)."""
+LOOPED = ("interleaved-1f1b", "zero-bubble")
+
+
+def local_stages(schedule: str, rank: int, world: int, n_stages: int) -> list[int]:
+    """The stages ``rank`` holds: stage ``rank`` alone for a one-stage schedule; for a looped one ``rank``,
+    ``rank + world``, ... (the placement of Megatron and torch).
+
+    Raises:
+        ValueError: a stage count this schedule cannot place on ``world`` ranks.
+    """
+    if schedule not in LOOPED:
+        if n_stages != world:
+            raise ValueError(f"{n_stages} stages but WORLD_SIZE is {world}; {schedule} runs one rank per stage")
+        return [rank]
+    if n_stages % world:
+        raise ValueError(f"{n_stages} stages do not loop evenly over {world} ranks; give a multiple of {world}")
+    return list(range(rank, n_stages, world))
 
 
 def torch_pipeline(cfg: PeerConfig, stages: Sequence[int], microbatches: int = 4,
                    schedule: str = "1f1b") -> dict[str, Any]:
-    """One rank (= one stage) of a ``torch.distributed.pipelining`` job with a flush every minibatch.
+    """One rank of a ``torch.distributed.pipelining`` job with a flush every minibatch.
 
     The model is cut as pipetrain cuts it (:class:`pipetrain.layers.LayeredModel`; ``stages`` are the
-    first layer indices, one stage per rank) and each piece wrapped in a ``PipelineStage`` given its
-    input and output shapes, run by ``Schedule1F1B`` or ``ScheduleGPipe``. Counted bytes: per sample,
-    the activations a stage sends forward plus the input gradients it sends back (p2p, sent once).
+    first layer indices) and each piece the rank holds (:func:`local_stages`) is wrapped in a
+    ``PipelineStage`` given its input and output shapes, run by the schedule :data:`SCHEDULES` names.
+    Counted bytes: per sample, the activations its stages send forward plus the input gradients they
+    send back (p2p, sent once).
 
     Raises:
         ValueError: bad ``stages``, ``schedule`` or ``microbatches`` for this world size and batch.
     """
     # imported here, where a torch pipeline runs: it imports torch._dynamo, seconds that every `pipetrain`
     # command would pay otherwise (the CLI imports the bench)
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    )
 
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
@@ -186,56 +209,58 @@ def torch_pipeline(cfg: PeerConfig, stages: Sequence[int], microbatches: int = 4
     model = cfg.build()
     layers = LayeredModel(model)
     check_boundaries(bounds, len(layers))
-    if len(bounds) != world:
-        raise ValueError(f"stages={bounds} has {len(bounds)} stages but WORLD_SIZE is {world}; "
-                         "one rank per stage")
+    n = len(bounds)
+    mine = local_stages(schedule, rank, world, n)
     if cfg.batch_size % microbatches:
         raise ValueError(f"batch_size={cfg.batch_size} must be divisible by microbatches={microbatches}")
-    if schedule == "1f1b" and microbatches < world:
-        raise ValueError(f"1f1b needs microbatches >= stages ({world}); got {microbatches}")
+    if schedule != "gpipe" and microbatches < world:
+        raise ValueError(f"{schedule} needs microbatches >= ranks ({world}); got {microbatches}")
     pieces = cut(layers, bounds)
     minibatches = batches(cfg, cfg.batch_size, seed=cfg.seed + 1)
-    # Every rank holds the whole (small) model at first, so each can find its stage's shapes locally.
+    # Every rank holds the whole (small) model at first, so each can find its stages' shapes locally.
     mb = cfg.batch_size // microbatches
+    shapes: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
     with torch.no_grad():
         value: Any = minibatches[0][0][:mb]
-        for piece in pieces[:rank]:
-            value = piece(*as_tuple(value))
-        inputs = as_tuple(value)
-        outputs = as_tuple(pieces[rank](*inputs))
+        for k, piece in enumerate(pieces):
+            inputs = as_tuple(value)
+            value = piece(*inputs)
+            if k in mine:
+                shapes[k] = inputs, as_tuple(value)
     # [Note: static stage metadata] PipelineStage copies requires_grad from these examples. Made under
     # no_grad they say no gradient crosses the cut: torch 2.13 then fails with an empty RuntimeError,
     # or, when some rank also lacks a loss_fn, skips the gradient sends and earlier stages never learn.
-    inputs = tuple(t.requires_grad_(rank > 0 and t.is_floating_point()) for t in inputs)
-    outputs = tuple(t.requires_grad_(t.is_floating_point()) for t in outputs)
-    stage = PipelineStage(pieces[rank], rank, world, torch.device("cpu"), input_args=inputs,
-                          output_args=outputs)
-    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    held = []
+    for k in mine:
+        inputs = tuple(t.requires_grad_(k > 0 and t.is_floating_point()) for t in shapes[k][0])
+        outputs = tuple(t.requires_grad_(t.is_floating_point()) for t in shapes[k][1])
+        shapes[k] = inputs, outputs
+        held.append(PipelineStage(pieces[k], k, n, torch.device("cpu"), input_args=inputs, output_args=outputs))
+    cls: Any = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved-1f1b": ScheduleInterleaved1F1B,
+                "zero-bubble": ScheduleInterleavedZeroBubble}[schedule]
     # Every rank passes loss_fn: a schedule without one runs forward only ("has_backward" is derived
     # from it), and the first stage would then never wait for gradients; with gloo, a hang.
-    sched = cls(stage, microbatches, loss_fn=cfg.spec.loss_fn)
-    opt = torch.optim.SGD(pieces[rank].parameters(), lr=cfg.lr)
+    sched = cls(held if schedule in LOOPED else held[0], microbatches, loss_fn=cfg.spec.loss_fn)
+    params = [p for k in mine for p in pieces[k].parameters()]
+    opt = torch.optim.SGD(params, lr=cfg.lr)
     losses: list[torch.Tensor] = []
+    first, last = 0 in mine, n - 1 in mine
 
     def step(i: int) -> None:
         x, y = minibatches[i % len(minibatches)]
         opt.zero_grad()
         losses.clear()
-        if rank == 0:
-            sched.step(x, return_outputs=False)
-        elif rank == world - 1:
-            sched.step(target=y, losses=losses, return_outputs=False)
-        else:
-            sched.step(return_outputs=False)
+        sched.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}),
+                   return_outputs=False)
         opt.step()
 
     def nbytes(ts: tuple[torch.Tensor, ...]) -> int:
         return sum(t.numel() * t.element_size() for t in ts)
 
-    sent_forward = nbytes(outputs) if rank < world - 1 else 0
-    sent_back = nbytes(tuple(t for t in inputs if t.is_floating_point())) if rank > 0 else 0
-    out = timed_windows(cfg, step, (sent_forward + sent_back) / mb, list(pieces[rank].parameters()))
+    sent = sum((nbytes(shapes[k][1]) if k < n - 1 else 0) +
+               (nbytes(tuple(t for t in shapes[k][0] if t.is_floating_point())) if k > 0 else 0) for k in mine)
+    out = timed_windows(cfg, step, sent / mb, params)
     out.update(runner=f"torch-{schedule}", stages=bounds, microbatches=microbatches,
                loss=float(torch.stack(losses).detach().mean()) if losses else None,
-               params=sum(p.numel() for p in pieces[rank].parameters()))
+               params=sum(p.numel() for p in params))
     return finish(out)
