@@ -30,6 +30,12 @@ AUTO_WITHIN = 0.10
 """``strategy="auto"``'s pick is right when it measures within this fraction of the fastest system."""
 
 
+def stage_seconds(stage: dict[str, Any]) -> float:
+    """A pipedream stage's seconds per minibatch alone: forward and backward, its update, and the copy
+    of its weights it stashes (:func:`pipetrain.bench.stages.stage_times`)."""
+    return stage["forward_backward_s"] + stage["update_s"] + stage["weight_copy_s"]
+
+
 def build_report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], split: list[int], source: str,
                  pd_plan: dict[str, Any] | None, breakdown: Any, stages: list[dict[str, Any]], where: str,
                  errors: dict[str, str]) -> dict[str, Any]:
@@ -42,9 +48,10 @@ def build_report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], s
     rate = {s: top[s]["samples_per_s"] for s in order}
     bps = {s: _per_worker(s, top[s]["counted_bytes_per_sample"]) for s in order}
     wire = {s: None if None in (w := top[s]["iface_bytes_per_sample"]) else _per_worker(s, w) for s in order}
-    # a stage of r replicas takes r minibatches per its time (round robin)
+    # a stage of r replicas takes r minibatches per its time (round robin); per minibatch a pipedream
+    # stage runs its forward and backward, an update and a copy of its weights (the version it stashes)
     replicas = top["pipedream"]["replicas"] if "pipedream" in top else [1] * len(stages)
-    bound = min(r * cfg.batch_size / st["forward_backward_s"] for r, st in zip(replicas, stages))
+    bound = min(r * cfg.batch_size / stage_seconds(st) for r, st in zip(replicas, stages))
     report: dict[str, Any] = {
         "config": {k: v for k, v in asdict(cfg).items() if k != "systems"}, "where": where, "note": None,
         "samples_per_s": rate, "bytes_per_sample": bps, "iface_bytes_per_sample": wire,
@@ -142,7 +149,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"  stage layers {st['layers'][0]}-{st['layers'][1]} alone: forward+backward "
                      f"{st['forward_backward_s'] * 1e3:.1f} ms, SGD step {st['update_s'] * 1e3:.1f} ms, "
                      f"weight copy {st['weight_copy_s'] * 1e3:.1f} ms")
-    lines.append(f"bound set by the slowest stage (batch / its forward+backward): "
+    lines.append(f"bound set by the slowest stage (batch / its forward+backward, update and weight copy): "
                  f"{report['bound_samples_per_s']:.1f} samples/s")
     if "one_worker_samples_per_s" in report:
         lines.append(f"one worker alone, whole model (forward+backward+SGD step): "

@@ -12,7 +12,8 @@ Numbers per system: samples/s of the whole job (median over timed windows after 
 read from each host's interface on the emulated cluster; for ``ps-sync`` the server's, its busiest
 link, with every rank's figure under ``bytes_per_sample_per_rank``), speedups. Beside them, the bound a
 pipeline's slowest stage sets: each stage's forward + backward measured alone in this process with
-the workers' thread count (median), bound = batch / slowest stage. The pipedream run is traced, so
+the workers' thread count (median), bound = batch / slowest stage (its forward + backward, update and
+weight copy). The pipedream run is traced, so
 the report also gives each of its workers' seconds per minibatch in compute and in waiting. On the
 emulated cluster each data-parallel system's samples/s is also predicted
 (:func:`pipetrain.bench.predictions.predict_systems`); with ``auto``, ``strategy="auto"`` chooses
