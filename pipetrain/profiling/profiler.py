@@ -157,12 +157,12 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
                 repeats: int, warmup: int, seconds: float | None = None) -> tuple[float, float, float, Any]:
     """(median forward s, median backward s, median seconds of the backward's weight-gradient part, the
     output detached) of one layer; the part is the backward less one of the inputs' gradient alone."""
-    params = [p for p in stage.parameters() if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
     cuda = any(t.is_cuda for t in _tensors(x)) or any(p.is_cuda for p in params)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     forward: list[float] = []
     backward: list[float] = []
-    inputs_only: list[float] = []
+    weight: list[float] = []
     run, first_s = 0, time.perf_counter()
     while run < warmup + repeats:
         leaves = map_tensors(x, lambda t: t.detach().requires_grad_(input_grads and t.is_floating_point()))
@@ -175,16 +175,17 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
         sync()
         t1 = time.perf_counter()
         roots = [t for t in _tensors(head) if t.requires_grad]
-        wrt = [t for t in _tensors(leaves) if t.requires_grad] + params
+        into = [t for t in _tensors(leaves) if t.requires_grad]
         seeds = [torch.ones_like(t) for t in roots]
+        split = bool(roots and into and params)
         sync()
         t2 = time.perf_counter()
+        wrt = into + params
         if roots and wrt:
-            torch.autograd.grad(roots, wrt, seeds, allow_unused=True, retain_graph=bool(params))
+            torch.autograd.grad(roots, wrt, seeds, allow_unused=True, retain_graph=split)
         sync()
         t3 = time.perf_counter()
-        into = [t for t in _tensors(leaves) if t.requires_grad]
-        if roots and into and params:  # the inputs' gradient alone, on the same graph
+        if split:  # the inputs' gradient alone, on the same graph
             torch.autograd.grad(roots, into, seeds, allow_unused=True)
         sync()
         if run == 0:
@@ -192,10 +193,11 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
         if run >= warmup:
             forward.append(t1 - t0)
             backward.append(t3 - t2)
-            inputs_only.append(time.perf_counter() - t3 if params else t3 - t2)
+            # without inputs to send a gradient to, the whole backward is the weights'; without weights, none
+            alone = time.perf_counter() - t3 if split else 0.0 if params else t3 - t2
+            weight.append(max(0.0, t3 - t2 - alone))
         run += 1
-    whole = statistics.median(backward)
-    return statistics.median(forward), whole, max(0.0, whole - statistics.median(inputs_only)), \
+    return statistics.median(forward), statistics.median(backward), statistics.median(weight), \
         map_tensors(y, torch.Tensor.detach)
 
 
