@@ -17,8 +17,8 @@ from pipetrain.schedule.kinds import (
 from pipetrain.strategies.kinds import CGDP, DDP, Auto, Pipeline, PipeSGD, Strategy
 
 __all__ = ["Auto", "CGDP", "DDP", "DEFAULT_SCHEDULE", "GPipe", "ModelParallel", "Naive", "OneFOneBFlush", "PipeDream",
-           "PipeSGD", "Pipeline", "PipelineSchedule", "SCHEDULES", "STRATEGIES", "Strategy", "ZeroBubble", "as_schedule",
-           "as_strategy", "build_data_parallel", "build_schedule", "from_options", "make", "schedule_of"]
+           "PipeSGD", "Pipeline", "PipelineSchedule", "SCHEDULES", "STRATEGIES", "Strategy", "ZeroBubble",
+           "as_schedule", "as_strategy", "build_data_parallel", "build_schedule", "from_options", "make", "schedule_of"]
 
 
 SCHEDULES: dict[str, type[PipelineSchedule]] = {c.name: c for c in (PipeDream, Naive, GPipe, OneFOneBFlush,

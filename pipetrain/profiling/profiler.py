@@ -106,7 +106,8 @@ def as_minibatch(micro: Profile, m: int) -> Profile:
     ``m``): forward, backward and bytes ``m`` times ``micro``'s, the optimizer step once. A profile taken
     at the whole minibatch and divided by ``m`` would be optimistic on a CPU, whose seconds per row grow
     as the batch shrinks."""
-    layers = [replace(x, forward_s=x.forward_s * m, backward_s=x.backward_s * m, activation_bytes=x.activation_bytes * m,
+    layers = [replace(x, forward_s=x.forward_s * m, backward_s=x.backward_s * m,
+                      activation_bytes=x.activation_bytes * m,
                       weight_backward_s=None if x.weight_backward_s is None else x.weight_backward_s * m)
               for x in micro.layers]
     return replace(micro.building_scaled(m), layers=layers, batch_size=micro.batch_size * m,

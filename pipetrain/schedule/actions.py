@@ -20,8 +20,8 @@ Text form of one action (minibatch ids are 0-based; ``.k`` names microbatch k):
 =======  =================================================================
 
 A schedule is built in three passes (see :mod:`pipetrain.schedule.generators`): the compute order
-(``F``/``B``, or ``F``/``I``/``W`` where the backward is split, per worker), the point-to-point pass (``RF``/``SF``/``RB``/``SB``), then a sync pass owned
-by the strategy (``A``/``S``/``U``).
+(``F``/``B`` per worker, or ``F``/``I``/``W`` where the backward is split), the point-to-point pass
+(``RF``/``SF``/``RB``/``SB``), then a sync pass owned by the strategy (``A``/``S``/``U``).
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ FORWARD, BACKWARD = "F", "B"
 INPUT_GRAD, WEIGHT_GRAD = "I", "W"  # a backward split in two (zero-bubble)
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RF", "SF", "RB", "SB"
 START_SYNC, SYNC, UPDATE = "A", "S", "U"
-KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, START_SYNC, SYNC, UPDATE)
+KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, START_SYNC, SYNC,
+         UPDATE)
 SENDS = {SEND_ACT: RECV_ACT, SEND_GRAD: RECV_GRAD}
 
 _TEXT = re.compile(r"^(RF|SF|RB|SB|F|B|I|W|A|S|U)(\d+)(?:\.(\d+))?$")

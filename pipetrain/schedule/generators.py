@@ -106,17 +106,18 @@ def zero_bubble_order(replicas: Sequence[int], minibatches: int, microbatches: i
 
 
 def _zb_h1(items: list[tuple[int, int | None]], w: int, lag: int) -> list[Action]:
-    """``w`` forwards, then alternate one ``I`` (with the ``W`` of ``lag`` ``I``'s before) and one
-    forward, then drain the ``I``'s, then the ``W``'s left."""
+    """1F1B's order with each backward an ``I``, each followed by the ``W`` of the ``I`` ``lag`` before
+    it; the ``W``'s left come last."""
     out: list[Action] = []
-    w = min(w, len(items))
-    for i in range(len(items) + w):
-        if i >= w:
-            out.append(Action(INPUT_GRAD, *items[i - w]))
-            if i - w >= lag:
-                out.append(Action(WEIGHT_GRAD, *items[i - w - lag]))
-        if i < len(items):
-            out.append(Action(FORWARD, *items[i]))
+    done = 0  # I's so far
+    for a in _one_f_one_b(items, w):
+        if a.kind == FORWARD:
+            out.append(a)
+            continue
+        out.append(Action(INPUT_GRAD, a.mb, a.micro))
+        if done >= lag:
+            out.append(Action(WEIGHT_GRAD, *items[done - lag]))
+        done += 1
     return out + [Action(WEIGHT_GRAD, *it) for it in items[max(0, len(items) - lag):]]
 
 
@@ -176,7 +177,12 @@ def split_flush_sync(lists: Lists) -> Lists:
     out = []
     for acts in lists:
         last = {a.mb: i for i, a in enumerate(acts) if a.kind == WEIGHT_GRAD}
-        out.append([b for i, a in enumerate(acts) for b in [a, *([Action(UPDATE, a.mb)] if last.get(a.mb) == i else [])]])
+        seq = []
+        for i, a in enumerate(acts):
+            seq.append(a)
+            if last.get(a.mb) == i:
+                seq.append(Action(UPDATE, a.mb))
+        out.append(seq)
     return out
 
 

@@ -87,13 +87,12 @@ def _check_split(schedule: Schedule) -> None:
             fail(w, "needs one W for each I (a weight gradient for each input gradient)")
         for i, a in weights:
             if inputs.get((a.mb, a.micro), i) >= i:
-                fail(w, f"runs {a} before I{str(a)[1:]}: a weight gradient comes after its input gradient")
-        last_w: dict[int, int] = {}
-        for i, a in weights:
-            last_w[a.mb] = i
+                fail(w, f"runs {a} before {Action(INPUT_GRAD, a.mb, a.micro)}: a weight gradient comes after its "
+                        "input gradient")
+        last_w = {a.mb: i for i, a in weights}
         for i, a in enumerate(acts):
             if a.kind == SEND_GRAD and inputs.get((a.mb, a.micro), i) > i:
-                fail(w, f"sends {a} before I{str(a)[2:]} computed it")
+                fail(w, f"sends {a} before {Action(INPUT_GRAD, a.mb, a.micro)} computed it")
             if a.kind == UPDATE and any(mb <= a.mb and j > i for mb, j in last_w.items()):
                 fail(w, f"updates at {a} before every W of the minibatches it applies")
 
