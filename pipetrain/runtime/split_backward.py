@@ -69,8 +69,9 @@ def input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor],
     return [by_id.get(id(t)) for t in inputs], WeightBackward(groups)
 
 
-def _input_path(roots: list[torch.Tensor], inputs: set[int]) -> set[Node]:
-    """The graph nodes from which a leaf in ``inputs`` (by ``id``) is reached."""
+def _input_path(roots: list[torch.Tensor], inputs: set[int]) -> dict[Node, None]:
+    """The graph nodes from which a leaf in ``inputs`` (by ``id``) is reached, leaves first (a dict: in
+    order, for the weight part to run in the same order every time)."""
     order: list[Node] = []  # every node after the nodes it leads to
     seen: set[Node] = set()
     stack = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
@@ -82,11 +83,11 @@ def _input_path(roots: list[torch.Tensor], inputs: set[int]) -> set[Node]:
             seen.add(node)
             stack.append((node, True))
             stack.extend((f, False) for f, _ in node.next_functions if f is not None and f not in seen)
-    on_path: set[Node] = set()
+    on_path: dict[Node, None] = {}
     for node in order:
         leaf = getattr(node, "variable", None)
         if (id(leaf) in inputs) if leaf is not None else any(f in on_path for f, _ in node.next_functions):
-            on_path.add(node)
+            on_path[node] = None
     return on_path
 
 
