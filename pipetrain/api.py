@@ -61,7 +61,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``bandwidth``, else over the measured transport), prints the table and trains the fastest
             (``result.choice`` records it).
         schedule: a pipeline's schedule: ``"pipedream"`` (the default), ``"naive"``, ``"gpipe"``,
-            ``"1f1b-flush"``, ``"model-parallel"``, or an object with options:
+            ``"1f1b-flush"``, ``"zero-bubble"``, ``"model-parallel"``, or an object with options:
             ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``; or
             ``"auto"`` with ``stages="auto"``: every schedule is simulated at each microbatch count for the
             plan, the table printed, and the fastest run (``result.plan.options["schedules"]`` keeps it).

@@ -6,7 +6,8 @@ data-parallel and CGDP predictions built on this engine live in :mod:`pipetrain.
 
 [Note: timing rules] Every worker runs its actions in order, with no gaps:
 
-* ``F``/``B`` last the stage's forward/backward seconds (sum over its layers), divided by the
+* ``F``/``B`` last the stage's forward/backward seconds (sum over its layers; ``I``/``W`` the backward's
+  input- and weight-gradient parts, :meth:`pipetrain.stagecost.StageCost.backward_part_s`), divided by the
   microbatch count for microbatched schedules, and taken at 1/r of the batch on each of r workers of
   a sharded (data-parallel) schedule; a minibatch's first ``F`` on the first stage also builds its
   inputs from the dataset, on the last stage its targets, on a stage that is both both at once (the
@@ -69,14 +70,16 @@ from pipetrain.profiling import Profile
 from pipetrain.setup import Setup
 from pipetrain.schedule import Schedule, validate
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, Action,
+    BACKWARD, FORWARD, INPUT_GRAD, RECV_ACT, RECV_GRAD, SEND_ACT, SENDS, START_SYNC, SYNC, UPDATE, WEIGHT_GRAD,
+    Action,
 )
 from pipetrain.stagecost import tied_stages, StageCost, shard_priced, stage_costs
 from pipetrain.strategies.allreduce import buckets, last_bucket_bytes
 from pipetrain.simresult import Link, SimResult
 from pipetrain.trace import Record
 
-COMPUTING = (FORWARD, BACKWARD, UPDATE)
+BACKWARDS = (BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
+COMPUTING = (FORWARD, *BACKWARDS, UPDATE)
 """The actions that hold a worker's core and interpreter."""
 
 
@@ -211,9 +214,9 @@ class _Sim:
             copy = self.copy_s[s] if first and self.updates[w] not in self.versions[w].values() else 0.0
             build = self.costs[s].batching_s if first else 0.0
             return start + self._compute_s(w, self.costs[s].forward_s / m + copy + build)
-        if a.kind == BACKWARD:
-            add = self.add_s[s] if self.grads_held[w] else 0.0
-            return start + self._compute_s(w, self.costs[s].backward_s / m + add)
+        if a.kind in BACKWARDS:  # an input-gradient backward adds nothing into .grad
+            add = self.add_s[s] if self.grads_held[w] and a.kind != INPUT_GRAD else 0.0
+            return start + self._compute_s(w, self.costs[s].backward_part_s(a.kind) / m + add)
         if a.kind in SENDS:
             dst = self.sched.peer(w, a)
             assert dst is not None
@@ -293,11 +296,11 @@ class _Sim:
 
     def _account(self, w: int, a: Action, seconds: float) -> None:
         """Track busy time, syncs, updates, in-flight minibatches and the weight versions they hold."""
-        if a.kind in (FORWARD, BACKWARD):
+        if a.kind in (FORWARD, *BACKWARDS):
             self.busy_s[w] += seconds
         if a.kind in COMPUTING:
             self.compute_s[w] += seconds
-        if a.kind == BACKWARD:
+        if a.kind in (BACKWARD, WEIGHT_GRAD):
             self.last_backward[w] = self.clock[w]
             self.grads_held[w] = True
         if a.kind == START_SYNC:
@@ -315,7 +318,7 @@ class _Sim:
                 self.versions[w][a.mb] = self.updates[w]
                 if self.stashes:  # only a stashing schedule holds a version per minibatch
                     self.peak_versions[w] = max(self.peak_versions[w], len(set(self.versions[w].values())))
-        elif a.kind == BACKWARD:
+        elif a.kind in (BACKWARD, WEIGHT_GRAD):  # a split backward holds the activations until its W
             self.in_flight[w] -= 1
             if a.micro in (None, self.sched.microbatches - 1):
                 del self.versions[w][a.mb]

@@ -28,6 +28,8 @@ class StageCost:
         update_s: the optimizer step on them (the profile's ``optimizer_s``; 0 if not measured).
         batching_s: building the minibatch from the dataset before its first forward: the inputs on
             the first stage, the targets on the last (:meth:`pipetrain.profiling.Profile.building_s`).
+        weight_s: the part of ``backward_s`` that computes the weights' gradients (the layers'
+            :attr:`~pipetrain.profiling.profile.LayerProfile.weight_s`); the rest computes the input's.
     """
 
     forward_s: float
@@ -37,12 +39,19 @@ class StageCost:
     parameter_bytes: int
     update_s: float = 0.0
     batching_s: float = 0.0
+    weight_s: float = 0.0
+
+    def backward_part_s(self, kind: str) -> float:
+        """Seconds of a whole backward (``"B"``), of its input-gradient part (``"I"``) or of its
+        weight-gradient part (``"W"``)."""
+        return {"B": self.backward_s, "I": self.backward_s - self.weight_s, "W": self.weight_s}[kind]
 
     def share(self, parts: int) -> StageCost:
         """The cost of 1/``parts`` of the minibatch (times, activations and the rows built scale,
         weights and their optimizer step do not)."""
         return StageCost(self.forward_s / parts, self.backward_s / parts, self.output_bytes / parts,
-                         self.stash_bytes / parts, self.parameter_bytes, self.update_s, self.batching_s / parts)
+                         self.stash_bytes / parts, self.parameter_bytes, self.update_s, self.batching_s / parts,
+                         self.weight_s / parts)
 
 
 def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | None = None) -> list[StageCost]:
@@ -75,7 +84,7 @@ def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | N
             output_bytes=scale * layers[-1].activation_bytes,
             stash_bytes=scale * (inputs + sum(x.activation_bytes for x in layers)),
             parameter_bytes=sum(x.parameter_bytes for x in layers), update_s=sum(x.optimizer_s for x in layers),
-            batching_s=scale * profile.building_s(first, end)))
+            batching_s=scale * profile.building_s(first, end), weight_s=scale * sum(x.weight_s for x in layers)))
     return stages
 
 

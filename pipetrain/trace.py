@@ -20,7 +20,8 @@ from collections.abc import Container, Sequence
 from pathlib import Path
 
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, START_SYNC, SYNC, UPDATE, Action, Schedule,
+    BACKWARD, FORWARD, INPUT_GRAD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, START_SYNC, SYNC, UPDATE,
+    WEIGHT_GRAD, Action, Schedule,
 )
 
 Record = tuple[str, float, float]
@@ -31,6 +32,8 @@ Traces = Sequence[Sequence[Record]]
 _STYLE = {
     FORWARD: ("forward", "#4c72b0", 0.8),
     BACKWARD: ("backward", "#55a868", 0.8),
+    INPUT_GRAD: ("input gradient", "#64b5cd", 0.8),
+    WEIGHT_GRAD: ("weight gradient", "#8172b3", 0.8),
     RECV_ACT: ("send/receive", "#c8c8c8", 0.12),
     RECV_GRAD: ("send/receive", "#c8c8c8", 0.12),
     SEND_ACT: ("send/receive", "#c8c8c8", 0.12),
@@ -39,6 +42,8 @@ _STYLE = {
     SYNC: ("gradient sync", "#dd8452", 0.25),
     UPDATE: ("update", "#404040", 0.25),
 }
+
+_COMPUTE = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
 def aligned(traces: Traces, offsets: Sequence[float] | None = None) -> list[list[Record]]:
@@ -75,7 +80,7 @@ def write_chrome_trace(traces: Traces, path: str | os.PathLike, names: Sequence[
 
     Each rank is one process (``pid`` = rank, one thread) named ``names[r]``; each record is a
     complete event (``ph: "X"``) named by its action text, with ``cat`` its category (forward,
-    backward, send/receive, gradient sync, update) and times in microseconds.
+    backward, input gradient, weight gradient, send/receive, gradient sync, update) and times in microseconds.
 
     Args:
         traces: per rank, ``(action_text, start_s, end_s)`` records.
@@ -101,7 +106,8 @@ def draw_timeline(traces: Traces, path: str | os.PathLike, title: str = "",
                   width_in: float = 12.0) -> None:
     """Draw one lane per worker, worker 0 on top, time in ms, and save it as a PNG.
 
-    Forward and backward boxes are coloured differently and labelled with their minibatch id as in
+    Forward and backward boxes (a split backward's input- and weight-gradient parts too) are coloured
+    differently and labelled with their minibatch id as in
     the action text (0-based; ``3.1`` is minibatch 3's microbatch 1) where the box is wide enough.
     Sends, receives (including the wait for the message), gradient syncs and optimizer steps are
     thin bars at the bottom of the lane.
@@ -140,11 +146,11 @@ def draw_timeline(traces: Traces, path: str | os.PathLike, title: str = "",
                 bars[(r, a.kind)].append((x, w))
             label = str(a.mb) if a.micro is None else f"{a.mb}.{a.micro}"
             # label only boxes wider than the text (a character is ~0.6 em wide)
-            if a.kind in (FORWARD, BACKWARD) and w / span_ms * axes_in > len(label) * fontsize * 0.6 / 72 + 0.02:
+            if a.kind in _COMPUTE and w / span_ms * axes_in > len(label) * fontsize * 0.6 / 72 + 0.02:
                 ax.text(x + w / 2, r, label, ha="center", va="center", color="white", fontsize=fontsize)
     for (r, kind), spans in bars.items():
         _, colour, height = _STYLE[kind]
-        compute = kind in (FORWARD, BACKWARD)
+        compute = kind in _COMPUTE
         ax.broken_barh(spans, (r + 0.4 - height, height), facecolors=colour,
                        edgecolors="white" if compute else "none", linewidth=0.5, zorder=1 if compute else 2)
     kinds = {kind for _, kind in bars}

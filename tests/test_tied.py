@@ -99,7 +99,7 @@ def plain(s, t):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["gpipe", pipetrain.GPipe(microbatches=2), pipetrain.OneFOneBFlush(microbatches=2),
-                                      "model-parallel"])
+                                      pipetrain.ZeroBubble(microbatches=2), "model-parallel"])
 def test_flush_schedules_are_plain_sgd_of_the_tied_model(schedule) -> None:
     assert_matches(train(schedule=schedule), reference(plain, lambda t: t - 1))
 

@@ -13,7 +13,8 @@ JSON form (``version`` 1)::
     {"format": "pipetrain-profile", "version": 1, "model": "...", "device": "cpu",
      "batch_size": 32, "input_bytes": 8192,
      "layers": [{"name": "0", "forward_s": 0.001, "backward_s": 0.002,
-                 "activation_bytes": 4096, "parameter_bytes": 1024, "optimizer_s": 0.0001}, ...],
+                 "activation_bytes": 4096, "parameter_bytes": 1024, "optimizer_s": 0.0001,
+                 "weight_backward_s": 0.001}, ...],   (weight_backward_s optional)
      "inputs_s": 0.0002, "targets_s": 0.0001, "both_s": 0.00025,   (optional)
      "ties": [{"layers": [0, 9], "bytes": 4096}],   (optional: a parameter several layers read)
      "setup": {...}}   (optional; see pipetrain.setup.Setup)
@@ -40,7 +41,9 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """One layer: seconds per minibatch and bytes."""
+    """One layer: seconds per minibatch and bytes. ``weight_backward_s``: the part of ``backward_s``
+    that computes the gradients of the layer's weights (the rest computes its input's); None when
+    not measured."""
 
     name: str
     forward_s: float
@@ -48,6 +51,13 @@ class LayerProfile:
     activation_bytes: int
     parameter_bytes: int
     optimizer_s: float = 0.0
+    weight_backward_s: float | None = None
+
+    @property
+    def weight_s(self) -> float:
+        """Seconds of the weight-gradient part of the backward: as measured (at most ``backward_s``), or
+        half the backward when not measured (a linear layer's two matrix products)."""
+        return self.backward_s / 2 if self.weight_backward_s is None else min(self.weight_backward_s, self.backward_s)
 
     @property
     def compute_s(self) -> float:
@@ -116,7 +126,7 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "device": self.device,
                 "batch_size": self.batch_size, "input_bytes": self.input_bytes, "meta": self.meta,
-                "layers": [asdict(layer) for layer in self.layers],
+                "layers": [{k: v for k, v in asdict(layer).items() if v is not None} for layer in self.layers],
                 **({"inputs_s": self.inputs_s, "targets_s": self.targets_s, "both_s": self.both_s}
                    if self.inputs_s or self.targets_s or self.both_s else {}),
                 **({"loaders": self.loaders} if self.loaders else {}),
@@ -222,4 +232,5 @@ def _layer(k: int, entry: Any) -> LayerProfile:
                         read_field(entry, "backward_s", where, float),
                         read_field(entry, "activation_bytes", where, int),
                         read_field(entry, "parameter_bytes", where, int),
-                        read_field(entry, "optimizer_s", where, float, 0.0))
+                        read_field(entry, "optimizer_s", where, float, 0.0),
+                        read_field(entry, "weight_backward_s", where, float) if "weight_backward_s" in entry else None)

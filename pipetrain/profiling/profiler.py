@@ -26,7 +26,9 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     times are what a stage holding it would spend. Times are medians of ``repeats`` runs after
     ``warmup`` runs. A layer's backward is seeded with ones for each output (or, for the last layer,
     starts from ``loss_fn``) and computes the gradients of its parameters and, after layer 0, of its
-    inputs, as a pipeline stage must send those back. The model's buffers (e.g. batch-norm
+    inputs, as a pipeline stage must send those back. Its ``weight_backward_s`` is that backward less
+    one of the inputs' gradients alone (all of it at layer 0, none for a layer without parameters):
+    what a split backward (``zero-bubble``'s ``W``) leaves for later. The model's buffers (e.g. batch-norm
     statistics) are restored afterwards and no ``.grad`` is touched.
 
     Args:
@@ -76,8 +78,8 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
             last = loss_fn is not None and k == len(layers) - 1
             head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
             kind = _kind(stage, value)
-            fwd, bwd, value = _time_layer(stage, value, k > 0, head, repeats, 0 if kind in slow else warmup,
-                                          layer_seconds)
+            fwd, bwd, weight, value = _time_layer(stage, value, k > 0, head, repeats, 0 if kind in slow else warmup,
+                                                  layer_seconds)
             if layer_seconds is not None and (fwd + bwd) * (warmup + repeats) > layer_seconds:
                 slow.add(kind)
             param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
@@ -88,7 +90,7 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
                 step = steps[shapes]
             else:
                 step = steps[shapes] = _time_optimizer(stage, optimizer, repeats, warmup, layer_seconds)
-            measured.append(LayerProfile(layers.labels[k], fwd, bwd, _nbytes(value), param_bytes, step))
+            measured.append(LayerProfile(layers.labels[k], fwd, bwd, _nbytes(value), param_bytes, step, weight))
     finally:
         with torch.no_grad():
             for buffer, copy in saved:
@@ -104,7 +106,9 @@ def as_minibatch(micro: Profile, m: int) -> Profile:
     ``m``): forward, backward and bytes ``m`` times ``micro``'s, the optimizer step once. A profile taken
     at the whole minibatch and divided by ``m`` would be optimistic on a CPU, whose seconds per row grow
     as the batch shrinks."""
-    layers = [replace(x, forward_s=x.forward_s * m, backward_s=x.backward_s * m, activation_bytes=x.activation_bytes * m)
+    layers = [replace(x, forward_s=x.forward_s * m, backward_s=x.backward_s * m,
+                      activation_bytes=x.activation_bytes * m,
+                      weight_backward_s=None if x.weight_backward_s is None else x.weight_backward_s * m)
               for x in micro.layers]
     return replace(micro.building_scaled(m), layers=layers, batch_size=micro.batch_size * m,
                    input_bytes=micro.input_bytes * m,
@@ -151,13 +155,15 @@ def _runs(first_s: float, repeats: int, warmup: int, seconds: float | None) -> t
 
 
 def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any], torch.Tensor] | None,
-                repeats: int, warmup: int, seconds: float | None = None) -> tuple[float, float, Any]:
-    """(median forward s, median backward s, the output detached) of one layer."""
-    params = [p for p in stage.parameters() if p.requires_grad]
+                repeats: int, warmup: int, seconds: float | None = None) -> tuple[float, float, float, Any]:
+    """(median forward s, median backward s, median seconds of the backward's weight-gradient part, the
+    output detached) of one layer; the part is the backward less one of the inputs' gradient alone."""
+    params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
     cuda = any(t.is_cuda for t in _tensors(x)) or any(p.is_cuda for p in params)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     forward: list[float] = []
     backward: list[float] = []
+    weight: list[float] = []
     run, first_s = 0, time.perf_counter()
     while run < warmup + repeats:
         leaves = map_tensors(x, lambda t: t.detach().requires_grad_(input_grads and t.is_floating_point()))
@@ -170,20 +176,30 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
         sync()
         t1 = time.perf_counter()
         roots = [t for t in _tensors(head) if t.requires_grad]
-        wrt = [t for t in _tensors(leaves) if t.requires_grad] + params
+        into = [t for t in _tensors(leaves) if t.requires_grad]
         seeds = [torch.ones_like(t) for t in roots]
+        split = bool(roots and into and params)
         sync()
         t2 = time.perf_counter()
+        wrt = into + params
         if roots and wrt:
-            torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+            torch.autograd.grad(roots, wrt, seeds, allow_unused=True, retain_graph=split)
+        sync()
+        t3 = time.perf_counter()
+        if split:  # the inputs' gradient alone, on the same graph
+            torch.autograd.grad(roots, into, seeds, allow_unused=True)
         sync()
         if run == 0:
             repeats, warmup = _runs(time.perf_counter() - first_s, repeats, warmup, seconds)
         if run >= warmup:
             forward.append(t1 - t0)
-            backward.append(time.perf_counter() - t2)
+            backward.append(t3 - t2)
+            # without inputs to send a gradient to, the whole backward is the weights'; without weights, none
+            alone = time.perf_counter() - t3 if split else 0.0 if params else t3 - t2
+            weight.append(max(0.0, t3 - t2 - alone))
         run += 1
-    return statistics.median(forward), statistics.median(backward), map_tensors(y, torch.Tensor.detach)
+    return statistics.median(forward), statistics.median(backward), statistics.median(weight), \
+        map_tensors(y, torch.Tensor.detach)
 
 
 def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optimizer], repeats: int,

@@ -17,6 +17,7 @@ from pipetrain.errors import one_line
 from pipetrain.layers import flatten, received, unflatten
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.loader import LoadError, Source, Task
+from pipetrain.runtime.split_backward import WeightBackward, input_backward
 from pipetrain.runtime.transport import Channel, Message
 from pipetrain.runtime.weights import Live
 from pipetrain.schedule import Action, Schedule
@@ -120,6 +121,7 @@ class Worker:
     _losses: dict[int, float] = field(default_factory=dict)
     _collated: dict[tuple[int, int], Any] = field(default_factory=dict)
     _syncing: dict[int, Weights] = field(default_factory=dict)  # mb -> the weights its backward used, until S
+    _weight_parts: dict[tuple[int, int | None], WeightBackward] = field(default_factory=dict)  # I done, W to come
     _shapes: dict[int, Any] = field(default_factory=dict)  # part -> the shapes of the first minibatch's part
     _first_loss: float | None = None
     _scores: list[float] | None = None  # while evaluating: loss and metric sums over samples, then the count
@@ -207,8 +209,12 @@ class Worker:
                 self.transport.send(peer, self._out.pop(key))
         elif a.kind == "F":
             self._forward(a)
-        elif a.kind == "B":
+        elif a.kind in ("B", "I"):
             self._backward(a)
+        elif a.kind == "W":
+            with self._blame(f"the weight gradient of minibatch {a.mb}"):
+                self._weight_parts.pop((a.mb, a.micro)).run()
+            self._backward_done(a)
         elif a.kind == "A":
             assert self.grad_sync is not None, f"{a} on worker {self.rank}, which has no gradient synchronizer"
             self.grad_sync.start(a.mb, self._syncing[a.mb])
@@ -293,6 +299,8 @@ class Worker:
         self._flight[key] = flight
 
     def _backward(self, a: Action) -> None:
+        """A whole backward (``B``), or its input-gradient part (``I``), whose weight-gradient part
+        (:mod:`pipetrain.runtime.split_backward`) waits for the ``W`` action."""
         key = (a.mb, a.micro)
         f = self._flight.pop(key)
         weights = self.policy.backward_weights(a.mb)
@@ -314,19 +322,27 @@ class Worker:
             value = float(loss.detach()) * self._sched.microbatches
             self._check_loss(value, a.mb)
             self._losses[a.mb] = self._losses.get(a.mb, 0.0) + value / self._sched.microbatches
-            with self._blame(f"the backward of minibatch {a.mb}"):
-                loss.backward()
+            pairs = [(loss, torch.ones_like(loss))]
         else:
             grads = self._inbox.pop(key).tensors
             outs = [t for t in flatten(f.outputs)[0] if t.is_floating_point()]
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            if pairs:
-                with self._blame(f"the backward of minibatch {a.mb}"):
+        floats = [t for t in f.inputs if t.is_floating_point()]
+        with self._blame(f"the backward of minibatch {a.mb}"):
+            if a.kind == "I":
+                got, self._weight_parts[key] = input_backward([o for o, _ in pairs], [g for _, g in pairs], floats)
+            else:
+                if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                got = [t.grad for t in floats]
         if not self._first:
-            floats = [t for t in f.inputs if t.is_floating_point()]
-            grads_in = [torch.zeros_like(t) if t.grad is None else t.grad for t in floats]
+            grads_in = [torch.zeros_like(t) if g is None else g for t, g in zip(floats, got)]
             self._out[key] = Message(a.mb, a.micro, 0, grads_in, False)
+        if a.kind == "B":
+            self._backward_done(a)
+
+    def _backward_done(self, a: Action) -> None:
+        """After a microbatch's whole backward (or its ``W``): the weights' gradients are complete."""
         last_micro = a.micro is None or a.micro == self._sched.microbatches - 1
         if last_micro:
             if self.tied is not None:

@@ -8,6 +8,8 @@ Text form of one action (minibatch ids are 0-based; ``.k`` names microbatch k):
 =======  =================================================================
 ``F3``   forward of minibatch 3 (``F3.1``: its microbatch 1)
 ``B3``   backward of minibatch 3
+``I3``   input-gradient backward of minibatch 3 (``I3.1``: its microbatch 1): what ``SB3`` sends
+``W3``   weight-gradient backward of minibatch 3, after its ``I3`` on the same worker
 ``RF3``  receive minibatch 3's activations from the previous stage
 ``SF3``  send minibatch 3's activations to the next stage
 ``RB3``  receive minibatch 3's gradients from the next stage
@@ -18,8 +20,8 @@ Text form of one action (minibatch ids are 0-based; ``.k`` names microbatch k):
 =======  =================================================================
 
 A schedule is built in three passes (see :mod:`pipetrain.schedule.generators`): the compute order
-(``F``/``B`` per worker), the point-to-point pass (``RF``/``SF``/``RB``/``SB``), then a sync pass owned
-by the strategy (``A``/``S``/``U``).
+(``F``/``B`` per worker, or ``F``/``I``/``W`` where the backward is split), the point-to-point pass
+(``RF``/``SF``/``RB``/``SB``), then a sync pass owned by the strategy (``A``/``S``/``U``).
 """
 from __future__ import annotations
 
@@ -29,12 +31,14 @@ from dataclasses import dataclass, field
 from pipetrain.layout import Layout
 
 FORWARD, BACKWARD = "F", "B"
+INPUT_GRAD, WEIGHT_GRAD = "I", "W"  # a backward split in two (zero-bubble)
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RF", "SF", "RB", "SB"
 START_SYNC, SYNC, UPDATE = "A", "S", "U"
-KINDS = (FORWARD, BACKWARD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, START_SYNC, SYNC, UPDATE)
+KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, START_SYNC, SYNC,
+         UPDATE)
 SENDS = {SEND_ACT: RECV_ACT, SEND_GRAD: RECV_GRAD}
 
-_TEXT = re.compile(r"^(RF|SF|RB|SB|F|B|A|S|U)(\d+)(?:\.(\d+))?$")
+_TEXT = re.compile(r"^(RF|SF|RB|SB|F|B|I|W|A|S|U)(\d+)(?:\.(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)

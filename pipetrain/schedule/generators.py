@@ -2,11 +2,13 @@
 
 A schedule is built in three passes:
 
-1. a **compute order**: each worker's forwards and backwards (``F``/``B``);
+1. a **compute order**: each worker's forwards and backwards (``F``/``B``; ``zero-bubble`` splits each
+   backward into ``I`` and ``W``);
 2. the **point-to-point pass** (:func:`p2p_pass`): a receive before and a send after each compute
    action that crosses a stage boundary (``RF``/``SF``/``RB``/``SB``);
 3. a **sync pass** owned by the strategy: where gradients are handed to the synchronizer (``A``),
-   waited for (``S``) and applied (``U``): :func:`flush_sync`, :func:`step_sync` or :func:`stale_sync`.
+   waited for (``S``) and applied (``U``): :func:`flush_sync`, :func:`split_flush_sync`, :func:`step_sync`
+   or :func:`stale_sync`.
 
 For n = 4 stages and 6 minibatches, ``pipedream`` (PipeDream §3.3, Figure 8; NOAM = 4) orders
 compute as::
@@ -29,7 +31,8 @@ from collections.abc import Callable, Sequence
 
 from pipetrain.layout import Layout
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, START_SYNC, SYNC, UPDATE, Action, Schedule,
+    BACKWARD, FORWARD, INPUT_GRAD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, START_SYNC, SYNC, UPDATE, WEIGHT_GRAD,
+    Action, Schedule,
 )
 
 Lists = list[list[Action]]
@@ -92,6 +95,32 @@ def one_f_one_b_flush_order(replicas: Sequence[int], minibatches: int, microbatc
             for s in range(n)]
 
 
+def zero_bubble_order(replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Lists:
+    """ZB-H1 (Qi et al., ICLR'24, §3.1) per minibatch: 1F1B's order of forwards and input-gradient
+    backwards (``I``), stage s warming up with n - s, and each weight-gradient backward (``W``) s
+    ``I``'s after its own, so that stage s ends with s + 1 ``W``'s filling its tail bubble. A stage
+    holds at most n microbatches between their forward and their ``W``: 1F1B's most (stage 0's)."""
+    n, m = len(replicas), microbatches
+    return [[a for mb in range(minibatches) for a in _zb_h1([_micro(mb, k, m) for k in range(m)], n - s, s)]
+            for s in range(n)]
+
+
+def _zb_h1(items: list[tuple[int, int | None]], w: int, lag: int) -> list[Action]:
+    """1F1B's order with each backward an ``I``, each followed by the ``W`` of the ``I`` ``lag`` before
+    it; the ``W``'s left come last."""
+    out: list[Action] = []
+    done = 0  # I's so far
+    for a in _one_f_one_b(items, w):
+        if a.kind == FORWARD:
+            out.append(a)
+            continue
+        out.append(Action(INPUT_GRAD, a.mb, a.micro))
+        if done >= lag:
+            out.append(Action(WEIGHT_GRAD, *items[done - lag]))
+        done += 1
+    return out + [Action(WEIGHT_GRAD, *it) for it in items[max(0, len(items) - lag):]]
+
+
 def model_parallel_order(replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Lists:
     """One minibatch in the whole pipeline at a time."""
     return [[Action(kind, mb) for mb in range(minibatches) for kind in (FORWARD, BACKWARD)] for _ in replicas]
@@ -115,6 +144,8 @@ def p2p_pass(replicas: Sequence[int], compute: Lists) -> Lists:
             if a.kind == FORWARD:
                 seq += ([Action(RECV_ACT, a.mb, a.micro)] if s > 0 else []) + [a]
                 seq += [Action(SEND_ACT, a.mb, a.micro)] if s < n - 1 else []
+            elif a.kind == WEIGHT_GRAD:  # nothing crosses a cut: the I before it sent the gradient
+                seq.append(a)
             else:
                 seq += ([Action(RECV_GRAD, a.mb, a.micro)] if s < n - 1 else []) + [a]
                 seq += [Action(SEND_GRAD, a.mb, a.micro)] if s > 0 else []
@@ -139,6 +170,20 @@ def flush_sync(lists: Lists, microbatches: int) -> Lists:
     def extra(b: Action) -> list[Action]:
         return [Action(UPDATE, b.mb)] if b.micro in (None, microbatches - 1) else []
     return [_after_backwards(acts, extra) for acts in lists]
+
+
+def split_flush_sync(lists: Lists) -> Lists:
+    """One update per minibatch, after the last of its weight-gradient backwards (``W``) on each worker."""
+    out = []
+    for acts in lists:
+        last = {a.mb: i for i, a in enumerate(acts) if a.kind == WEIGHT_GRAD}
+        seq = []
+        for i, a in enumerate(acts):
+            seq.append(a)
+            if last.get(a.mb) == i:
+                seq.append(Action(UPDATE, a.mb))
+        out.append(seq)
+    return out
 
 
 def step_sync(lists: Lists, replicas: Sequence[int]) -> Lists:

@@ -63,9 +63,13 @@ class PipelineSchedule:
             raise ValueError(f"{minibatches} minibatches do not split evenly over replicas {list(replicas)}; "
                              f"use a multiple of {layout.rounds} so every replica joins every gradient sync")
         lists = gen.p2p_pass(replicas, self.order(replicas, minibatches))
-        lists = gen.flush_sync(lists, self.microbatches) if self.flush else gen.step_sync(lists, replicas)
+        lists = self.sync_pass(lists, replicas)
         return Schedule(self.name, tuple(replicas), tuple(map(tuple, lists)), self.microbatches,
                         gen.noam(replicas), stashes=self.weights == "stash")
+
+    def sync_pass(self, lists: gen.Lists, replicas: Sequence[int]) -> gen.Lists:
+        """Where updates go: after a minibatch's last backward (flush), else after every backward."""
+        return gen.flush_sync(lists, self.microbatches) if self.flush else gen.step_sync(lists, replicas)
 
     def check_layout(self, layout: Layout) -> None:
         """One-line ValueError when this schedule cannot run ``layout``."""
@@ -158,6 +162,23 @@ class OneFOneBFlush(_Microbatched):
 
     def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
         return gen.one_f_one_b_flush_order(replicas, minibatches, self.microbatches)
+
+
+@dataclass(frozen=True)
+class ZeroBubble(_Microbatched):
+    """ZB-H1 (Qi et al., ICLR'24): 1F1B over a minibatch's microbatches with each backward split into
+    its input gradient (``I``, sent on at once) and its weight gradient (``W``, deferred into what
+    would be bubbles), then one update."""
+
+    name: ClassVar[str] = "zero-bubble"
+    flush: ClassVar[bool] = True
+    summary: ClassVar[str] = "1F1B with input and weight gradients apart, weight gradients in the bubbles"
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return gen.zero_bubble_order(replicas, minibatches, self.microbatches)
+
+    def sync_pass(self, lists: gen.Lists, replicas: Sequence[int]) -> gen.Lists:
+        return gen.split_flush_sync(lists)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Check a schedule: every send meets its receive, collectives line up, and nothing deadlocks.
 
+A split backward's parts line up on each worker: a ``W`` after its ``I``, the gradient's send (``SB``)
+after the ``I`` that computed it, and an update after every ``W`` of the minibatches it applies.
+
 The check executes the action lists with unit costs: a send never blocks (the transport buffers it),
 a receive waits for its matching send, a gradient sync's start ``A`` never blocks, and a worker's
 k-th ``S`` (waiting for a gradient sync) waits until every worker of its stage has started its k-th
@@ -11,7 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SENDS, START_SYNC, SYNC, Action, Schedule,
+    BACKWARD, FORWARD, INPUT_GRAD, RECV_ACT, RECV_GRAD, SEND_GRAD, SENDS, START_SYNC, SYNC, UPDATE, WEIGHT_GRAD,
+    Action, Schedule,
 )
 
 
@@ -69,6 +73,30 @@ def _check_syncs(schedule: Schedule) -> None:
                                 "syncs; each sync needs every worker of the stage")
 
 
+def _check_split(schedule: Schedule) -> None:
+    """Each ``I`` has one ``W`` after it on the same worker, an ``SB`` follows the ``I`` that computed
+    its gradient, and a ``U`` of minibatch t comes after every ``W`` of minibatches up to t."""
+    def fail(w: int, why: str) -> None:
+        raise ScheduleError(f"schedule {schedule.name!r}: w{w} {why}")
+    for w, acts in enumerate(schedule.actions):
+        inputs = {(a.mb, a.micro): i for i, a in enumerate(acts) if a.kind == INPUT_GRAD}
+        weights = [(i, a) for i, a in enumerate(acts) if a.kind == WEIGHT_GRAD]
+        if not inputs and not weights:
+            continue
+        if sorted((a.mb, a.micro or 0) for _, a in weights) != sorted((mb, k or 0) for mb, k in inputs):
+            fail(w, "needs one W for each I (a weight gradient for each input gradient)")
+        for i, a in weights:
+            if inputs.get((a.mb, a.micro), i) >= i:
+                fail(w, f"runs {a} before {Action(INPUT_GRAD, a.mb, a.micro)}: a weight gradient comes after its "
+                        "input gradient")
+        last_w = {a.mb: i for i, a in weights}
+        for i, a in enumerate(acts):
+            if a.kind == SEND_GRAD and inputs.get((a.mb, a.micro), i) > i:
+                fail(w, f"sends {a} before {Action(INPUT_GRAD, a.mb, a.micro)} computed it")
+            if a.kind == UPDATE and any(mb <= a.mb and j > i for mb, j in last_w.items()):
+                fail(w, f"updates at {a} before every W of the minibatches it applies")
+
+
 def _sync_ready(schedule: Schedule, w: int, starts: dict[int, int], waits: dict[int, int]) -> bool:
     """Worker ``w`` at its k-th sync: every worker of its stage has started its k-th sync."""
     s = schedule.stage_of(w)
@@ -81,11 +109,12 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
 
     Returns:
         ``{"steps": [...], "peak_in_flight": [...]}``: the number of unit-time rounds each worker
-        was active until done, and the most minibatches each worker held between the forward and
-        the backward of their first microbatch.
+        was active until done, and the most minibatches each worker held between the forward of their
+        first microbatch and the backward (its ``W`` when split) of their last.
     """
     _check_matching(schedule)
     _check_syncs(schedule)
+    _check_split(schedule)
     acts = schedule.actions
     pos = [0] * schedule.num_workers
     done: set[tuple[int, Action]] = set()
@@ -123,6 +152,6 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
             if a.kind == FORWARD and a.micro in (None, 0):
                 in_flight[w].add(a.mb)
                 peak[w] = max(peak[w], len(in_flight[w]))
-            if a.kind == BACKWARD and a.micro in (None, schedule.microbatches - 1):
+            if a.kind in (BACKWARD, WEIGHT_GRAD) and a.micro in (None, schedule.microbatches - 1):
                 in_flight[w].discard(a.mb)
     return {"steps": steps, "peak_in_flight": peak}

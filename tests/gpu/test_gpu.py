@@ -52,8 +52,9 @@ def assert_close(a: dict, b: dict, tol: float = 1e-9) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("how", [{"stages": [0, 4]}, {"stages": [0, 4], "schedule": "1f1b-flush", "microbatches": 2},
+                                 {"stages": [0, 4], "schedule": "zero-bubble", "microbatches": 2},
                                  {"stages": [0, 2], "model": "shape-branch"}, {"stages": [0, 3], "model": "tied"}],
-                         ids=["pipedream", "1f1b-flush", "exported model", "tied weights"])
+                         ids=["pipedream", "1f1b-flush", "zero-bubble", "exported model", "tied weights"])
 def test_two_stages_sharing_one_gpu_equal_the_same_job_on_the_cpu(tmp_path, how) -> None:
     options = {"backend": "gloo", **how}
     gpu = job(tmp_path, "gpu", options)
