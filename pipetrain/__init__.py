@@ -12,7 +12,7 @@ from pipetrain.planning import Plan, plan
 from pipetrain.profiling import Profile
 from pipetrain.profiling import profile_model as profile
 from pipetrain.registry import (
-    CGDP, DDP, Auto, GPipe, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipeSGD, Pipeline, build_data_parallel,
+    CGDP, DDP, Auto, GPipe, Interleaved1F1B, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipeSGD, Pipeline, build_data_parallel,
     build_schedule,
 )
 from pipetrain.result import TrainResult
@@ -25,4 +25,4 @@ __all__ = ["train", "TrainResult", "profile", "Profile", "plan", "Plan", "simula
            "load_checkpoint", "LayeredModel", "LayerError", "PipetrainError", "PipetrainWarning", "CheckpointError",
            "Schedule", "Action", "build_schedule", "build_data_parallel", "accuracy",
            "Pipeline", "DDP", "PipeSGD", "CGDP", "Auto", "PipeDream", "Naive", "GPipe", "OneFOneBFlush",
-           "ModelParallel"]
+           "ModelParallel", "Interleaved1F1B"]

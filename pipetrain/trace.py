@@ -138,7 +138,7 @@ def draw_timeline(traces: Traces, path: str | os.PathLike, title: str = "",
             x, w = start * 1e3, (end - start) * 1e3
             if w > 0:  # zero-length records (a free send, a free optimizer step) draw nothing
                 bars[(r, a.kind)].append((x, w))
-            label = str(a.mb) if a.micro is None else f"{a.mb}.{a.micro}"
+            label = (str(a.mb) if a.micro is None else f"{a.mb}.{a.micro}") + ("" if a.stage is None else f"s{a.stage}")
             # label only boxes wider than the text (a character is ~0.6 em wide)
             if a.kind in (FORWARD, BACKWARD) and w / span_ms * axes_in > len(label) * fontsize * 0.6 / 72 + 0.02:
                 ax.text(x + w / 2, r, label, ha="center", va="center", color="white", fontsize=fontsize)
@@ -209,15 +209,15 @@ def deliveries(traces: Traces, schedule: Schedule) -> list[float]:
         traces: per rank, the records of a run of ``schedule`` whose ranks share a clock (one host).
         schedule: what ran; it says which rank each send goes to.
     """
-    received: dict[tuple[int | None, str, int, int | None], tuple[float, float]] = {
-        (w, a.kind, a.mb, a.micro): (s, e) for w, t in enumerate(traces) for text, s, e in t
+    received: dict[tuple[int | None, Action], tuple[float, float]] = {
+        (w, a): (s, e) for w, t in enumerate(traces) for text, s, e in t
         if (a := Action.parse(text)).kind in SENDS.values()}
     out = []
     for w, t in enumerate(traces):
         for text, s, _ in t:
             a = Action.parse(text)
             if a.kind in SENDS:
-                recv = received.get((schedule.peer(w, a), SENDS[a.kind], a.mb, a.micro))
+                recv = received.get((schedule.peer(w, a), a.counterpart()))
                 if recv is not None and recv[0] < s:
                     out.append(recv[1] - s)
     return out

@@ -1,0 +1,125 @@
+"""interleaved-1f1b: several stages per worker, round robin; its order, validation, simulation and runs."""
+from __future__ import annotations
+
+import pytest
+
+from pipetrain.registry import Interleaved1F1B, OneFOneBFlush, build_schedule
+from pipetrain.schedule import Schedule, ScheduleError, validate
+from pipetrain.schedule.actions import BACKWARD, FORWARD, Action
+from pipetrain.simulate import simulate
+from pipetrain.trace import draw_timeline, write_chrome_trace
+from test_simulate import B, F, equal_profile
+
+
+def interleaved(workers: int, per_worker: int, microbatches: int, minibatches: int = 2) -> Schedule:
+    return Interleaved1F1B(microbatches=microbatches, workers=workers).build([1] * (workers * per_worker),
+                                                                          minibatches)
+
+
+def test_action_text_names_the_stage_and_round_trips():
+    for text in ("F3.1s2", "B0s0", "RF2.0s5", "SB1s1", "U4", "F3.1", "RB2"):
+        assert str(Action.parse(text)) == text
+    assert Action.parse("F3.1s2") == Action(FORWARD, 3, 1, 2)
+    assert Action.parse("SF3.1s1").counterpart() == Action.parse("RF3.1s2")
+    assert Action.parse("RB0s1").counterpart() == Action.parse("SB0s2")
+    assert Action.parse("SF3").counterpart() == Action.parse("RF3")
+    schedule = interleaved(2, 2, 4)
+    assert Schedule.from_text(schedule.to_text()) == schedule
+    assert "looped=2" in schedule.to_text().splitlines()[0]
+
+
+def test_worker_w_holds_stages_w_w_plus_W_and_runs_only_them():
+    schedule = interleaved(3, 2, 3)
+    assert schedule.num_workers == 3 and schedule.num_stages == 6
+    assert [schedule.stages_of(w) for w in range(3)] == [(0, 3), (1, 4), (2, 5)]
+    for w, acts in enumerate(schedule.actions):
+        assert {a.stage for a in acts if a.kind in (FORWARD, BACKWARD)} == {w, w + 3}
+    with pytest.raises(ValueError, match="stages_of"):
+        schedule.stage_of(0)
+
+
+def test_megatron_warm_up_then_one_forward_one_backward():
+    """W = 4, v = 2, m = 8: worker w runs (W - w - 1) * 2 + (v - 1) * W forwards before its first
+    backward (Megatron's count), in turns of W microbatches per stage, then alternates."""
+    W, v, m = 4, 2, 8
+    schedule = interleaved(W, v, m, minibatches=1)
+    for w, acts in enumerate(schedule.actions):
+        compute = [a for a in acts if a.kind in (FORWARD, BACKWARD)]
+        warm = (W - w - 1) * 2 + (v - 1) * W
+        assert [a.kind for a in compute[:warm]] == [FORWARD] * warm
+        assert [a.stage for a in compute[:W]] == [w] * W and compute[W].stage == w + W
+        steady = v * m - warm
+        assert [a.kind for a in compute[warm:warm + 2 * steady]] == [FORWARD, BACKWARD] * steady
+        assert [a.kind for a in compute[warm + 2 * steady:]] == [BACKWARD] * warm
+        assert compute[-1] == Action(BACKWARD, 0, m - 1, w)  # the worker's first stage drains last
+        for s in schedule.stages_of(w):  # each stage runs its microbatches in order, forward and backward
+            for kind in (FORWARD, BACKWARD):
+                assert [a.micro for a in compute if a.stage == s and a.kind == kind] == list(range(m))
+        assert [str(a) for a in acts if a.kind == "U"] == ["U0"]  # one update of every stage it holds
+
+
+@pytest.mark.parametrize("workers,per_worker,microbatches", [
+    (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 3, 6), (2, 1, 4), (3, 2, 3), (3, 2, 2), (3, 3, 9), (4, 2, 4), (4, 2, 8),
+    (4, 2, 3), (4, 2, 5), (4, 4, 12), (5, 2, 10)])
+def test_validator_finds_no_deadlock(workers, per_worker, microbatches):
+    schedule = interleaved(workers, per_worker, microbatches, minibatches=3)
+    stats = validate(schedule)
+    assert len(stats["steps"]) == workers
+    # every worker makes one update per minibatch, after all its stages' microbatches
+    for acts in schedule.actions:
+        assert [a.mb for a in acts if a.kind == "U"] == [0, 1, 2]
+
+
+def test_a_swapped_receive_deadlocks_and_the_grid_names_the_stages():
+    schedule = interleaved(2, 2, 2, minibatches=1)
+    acts = list(schedule.actions[1])
+    i = acts.index(Action.parse("RF0.0s1"))
+    j = acts.index(Action.parse("RF0.0s3"))
+    acts[i], acts[j] = acts[j], acts[i]
+    broken = Schedule(schedule.name, schedule.replicas, (schedule.actions[0], tuple(acts)),
+                      schedule.microbatches, looped=2)
+    with pytest.raises(ScheduleError, match=r"deadlocks(.|\n)*w1 \(stages 1,3\)"):
+        validate(broken)
+
+
+@pytest.mark.parametrize("workers,stages,microbatches,words", [
+    (2, 3, 4, "give a multiple of 2 stages"), (3, 2, 3, "give a multiple of 3 stages"),
+    (4, 8, 9, "microbatches 9 is not a multiple of 2 rounds"), (2, 4, 5, "not a multiple of 2 rounds")])
+def test_bad_combinations_are_one_line_errors(workers, stages, microbatches, words):
+    with pytest.raises(ValueError, match=words) as err:
+        Interleaved1F1B(microbatches=microbatches, workers=workers).build([1] * stages, 2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="workers=1 must be an integer >= 2"):
+        Interleaved1F1B(workers=1)
+
+
+def test_workers_must_be_given_and_stages_straight():
+    with pytest.raises(ValueError, match="needs workers=W"):
+        Interleaved1F1B(microbatches=2).build([1] * 4, 1)
+    with pytest.raises(ValueError, match="straight pipelines only"):
+        Interleaved1F1B(microbatches=2, workers=2).build([2, 1, 1, 1], 2)
+
+
+@pytest.mark.parametrize("workers,per_worker,microbatches", [(2, 2, 4), (2, 2, 2), (4, 2, 4), (4, 2, 8), (3, 3, 6)])
+def test_simulated_bubble_is_megatrons(workers, per_worker, microbatches):
+    """Equal stages, free links: a minibatch takes v (F + B) of compute per worker plus the bubble
+    (W - 1)(F + B) / m, 1/v of 1F1B's over the same workers (arXiv:2104.04473 §2.2)."""
+    W, v, m = workers, per_worker, microbatches
+    result = simulate(interleaved(W, v, m, minibatches=1), equal_profile(v * W), list(range(v * W)))
+    assert result.makespan_s == pytest.approx(v * (F + B) + (W - 1) * (F + B) / m)
+    flush = simulate(build_schedule(OneFOneBFlush(microbatches=m), [1] * W, 1), equal_profile(v * W),
+                     list(range(0, v * W, v)))
+    bubble, flush_bubble = result.makespan_s - v * (F + B), flush.makespan_s - v * (F + B)
+    assert bubble == pytest.approx(flush_bubble / v)
+
+
+def test_simulated_trace_draws_with_several_stages_per_worker(tmp_path):
+    schedule = interleaved(2, 2, 4)
+    result = simulate(schedule, equal_profile(4), [0, 1, 2, 3])
+    for w, records in enumerate(result.trace):
+        assert [Action.parse(text) for text, _, _ in records] == list(schedule.actions[w])
+    assert result.minibatches_per_s > 0 and len(result.peak_activation_bytes) == 2
+    draw_timeline(result.trace, tmp_path / "timeline.png", title="interleaved-1f1b",
+                  names=[f"worker {w} (stages {w},{w + 2})" for w in range(2)])
+    write_chrome_trace(result.trace, tmp_path / "trace.json")
+    assert (tmp_path / "timeline.png").stat().st_size > 0 and "F0.0s2" in (tmp_path / "trace.json").read_text()
