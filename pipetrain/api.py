@@ -154,7 +154,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         cfg = JobConfig(training, run, chosen, None, Layout.data_parallel_on(workers))
         plan, predicted = None, None
     else:
-        picked = picked or as_schedule(DEFAULT_SCHEDULE)
+        picked = (picked or as_schedule(DEFAULT_SCHEDULE)).placed(workers)
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
         phases["capture_s"] = time.perf_counter() - started
         plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases)
@@ -195,7 +195,7 @@ def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
     """Run the job from where its checkpoints let it resume; when a worker dies or goes silent, start
     every worker again from the newest epoch all of them saved, up to ``max_restarts`` times."""
     _preflight(cfg)
-    name = cfg.layout.name
+    name = cfg.worker_name
     start = Start(restarted, _kept_epoch(cfg) if cfg.run.resume else None)
     if cfg.run.resume and start.resume_from is None:
         warn(f"resume=True but {cfg.run.checkpoint_dir} holds no complete checkpoint of this job; starting from "

@@ -1,13 +1,19 @@
 """interleaved-1f1b: several stages per worker, round robin; its order, validation, simulation and runs."""
 from __future__ import annotations
 
-import pytest
+import functools
 
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import pipetrain
 from pipetrain.registry import Interleaved1F1B, OneFOneBFlush, build_schedule
 from pipetrain.schedule import Schedule, ScheduleError, validate
 from pipetrain.schedule.actions import BACKWARD, FORWARD, Action
 from pipetrain.simulate import simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
+from pt_models import SIZES, mlp
 from test_simulate import B, F, equal_profile
 
 
@@ -123,3 +129,68 @@ def test_simulated_trace_draws_with_several_stages_per_worker(tmp_path):
                   names=[f"worker {w} (stages {w},{w + 2})" for w in range(2)])
     write_chrome_trace(result.trace, tmp_path / "trace.json")
     assert (tmp_path / "timeline.png").stat().st_size > 0 and "F0.0s2" in (tmp_path / "trace.json").read_text()
+
+
+# -- runs -------------------------------------------------------------------------------------------
+
+MINIBATCHES, BATCH, LR = 6, 4, 0.05
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    return TensorDataset(torch.randn(MINIBATCHES * BATCH, SIZES[0], generator=g, dtype=torch.float64),
+                         torch.randn(MINIBATCHES * BATCH, SIZES[-1], generator=g, dtype=torch.float64))
+
+
+def _minibatch_sgd() -> list[torch.Tensor]:
+    """The whole model's plain minibatch SGD, written out: tanh layers, a linear head, mean squared error."""
+    params = [p.detach().clone() for p in mlp().parameters()]
+    x_all, y_all = _data().tensors
+    for t in range(MINIBATCHES):
+        leaves = [p.clone().requires_grad_() for p in params]
+        h = x_all[t * BATCH:(t + 1) * BATCH]
+        for i in range(0, len(leaves), 2):
+            h = h @ leaves[i].T + leaves[i + 1]
+            if i < len(leaves) - 2:
+                h = torch.tanh(h)
+        loss = ((h - y_all[t * BATCH:(t + 1) * BATCH]) ** 2).mean()
+        params = [p - LR * g for p, g in zip(params, torch.autograd.grad(loss, leaves))]
+    return params
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_two_workers_four_stages_equal_plain_minibatch_sgd(microbatches):
+    result = pipetrain.train(mlp(), _data(), loss_fn=torch.nn.functional.mse_loss,
+                             optimizer=functools.partial(torch.optim.SGD, lr=LR), stages=[0, 2, 4, 6], workers=2,
+                             schedule=Interleaved1F1B(microbatches=microbatches), batch_size=BATCH, shuffle=False,
+                             timeout=60, trace=True)
+    assert [h["step"] for h in result.history] == list(range(1, MINIBATCHES + 1))
+    for got, want in zip(result.model.parameters(), _minibatch_sgd()):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-9)
+    assert len(result.traces) == 2
+    assert {Action.parse(text).stage for text, _, _ in result.traces[1]} == {1, 3, None}
+
+
+def _train(**kw):
+    args = dict(loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                stages=[0, 2, 4, 6], workers=2, schedule=Interleaved1F1B(microbatches=2), batch_size=BATCH)
+    return pipetrain.train(mlp(), _data(), **{**args, **kw})
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(workers=3), "give a multiple of 3 stages"),
+    (dict(workers=None), "interleaved-1f1b needs workers=W"),
+    (dict(schedule=Interleaved1F1B(microbatches=2, workers=4)), "workers=2 but the schedule says workers=4"),
+    (dict(schedule=Interleaved1F1B(microbatches=4), stages=[0, 1, 2, 3, 4, 5], workers=4),
+     "give a multiple of 4 stages"),
+    (dict(schedule=Interleaved1F1B(microbatches=3)), "batch_size 4 is not divisible by microbatches 3"),
+    (dict(stages="auto"), "a plan places one stage per worker"),
+    (dict(checkpoint_dir="ckpt"), "does not run with checkpoint_dir yet"),
+    (dict(eval_dataset=_data()), "does not run with eval_dataset yet"),
+    (dict(schedule="interleaved-1f1b", batch_size=4, workers=2, stages=[0, 2, 4]), "give a multiple of 2 stages"),
+])
+def test_bad_requests_are_refused_in_one_line_before_any_worker_starts(kw, words):
+    with pytest.raises(ValueError, match=words) as err:
+        _train(**kw)
+    assert "\n" not in str(err.value)

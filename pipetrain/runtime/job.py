@@ -24,7 +24,7 @@ from tqdm import tqdm
 from pipetrain.batches import epoch_order, per_epoch, to_device
 from pipetrain.config import JobConfig
 from pipetrain.layers import LayeredModel
-from pipetrain.runtime import checkpoint
+from pipetrain.runtime import checkpoint, multi
 from pipetrain.runtime.dist import init_distributed, wire_device
 from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.tied import TiedCopies
@@ -59,7 +59,7 @@ def run_rank(cfg: JobConfig, start: Start) -> dict[str, Any]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     prepare_process(cfg)
     device = init_distributed(cfg.run.timeout, cfg.run.backend)
-    result = _train(cfg, start, rank, world, device)
+    result = (_train_looped if cfg.looped else _train)(cfg, start, rank, world, device)
     # only after success: teardown with a dead peer can block, and on failure the launcher
     # (ours or torchrun) stops every process anyway
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":
@@ -192,11 +192,53 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
               "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
               "sync_stats": sync.stats() if sync else {}, "ready": ready,
               "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
-    if os.environ.get("PIPETRAIN_SPAWNED") != "1":  # torchrun: every rank gets every rank's part
+    return _shared(result, world)
+
+
+def _shared(result: dict[str, Any], world: int) -> dict[str, Any]:
+    """This rank's part; under torchrun every rank gets every rank's part."""
+    if os.environ.get("PIPETRAIN_SPAWNED") != "1":
         parts: list[Any] = [None] * world
         dist.all_gather_object(parts, result)
         return {"parts": parts}
     return result
+
+
+def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """A rank of a looped schedule (``interleaved-1f1b``): a Worker per stage it holds (stage s on rank
+    s mod W, each built as if it were rank s of a straight pipeline), run by
+    :class:`~pipetrain.runtime.multi.LocalStages` in the order of the rank's one action list."""
+    t, stages = cfg.training, cfg.layout.num_stages
+    transport = Transport(rank, multi.edges(stages, world), cfg.worker_name, device, cfg.run.timeout)
+    workers: dict[int, Worker] = {}
+    modules: list[nn.Module] = []
+    for s in range(rank, stages, world):
+        worker, stage = build_worker(cfg, s, device, multi.StageChannel(transport, s, world), None, start)
+        worker.name, worker.trace = f"stage {s} (rank {rank})", None
+        worker.log = _history_log(rank) if worker.log is not None else None
+        if cfg.run.loader_workers and s in (0, stages - 1):
+            worker.source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
+                                    pin=device.type == "cuda")
+        workers[s] = worker
+        modules.append(stage)
+    ready = time.perf_counter()
+    local = multi.LocalStages(rank, workers, [] if cfg.run.trace else None)
+    k = per_epoch(t.items, t.batch_size, 1)
+    bar = _progress(cfg, rank, (t.epochs - start.first_epoch) * k)
+    on_step = (lambda rec: bar.set_postfix(loss=f"{rec.loss:.4f}", refresh=False) or bar.update(1)) if bar else None
+    for epoch in range(start.first_epoch, t.epochs):
+        batches = epoch_order(t.items, t.batch_size, epoch, t.shuffle, t.seed, 1)
+        local.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
+    if bar:
+        bar.close()
+    for worker in workers.values():
+        worker.source.close()
+    transport.close()
+    history = [asdict(h) for worker in workers.values() for h in worker.history]
+    return _shared({"rank": rank, "digest": None, "ready": ready, "history": history, "trace": local.trace or [],
+                    "state": {k: v.detach().cpu() for m in modules for k, v in m.state_dict().items()},
+                    "bytes_sent": transport.bytes_sent, "sync_stats": {},
+                    "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, world)
 
 
 def _evaluate(cfg: JobConfig, worker: Worker, epoch: int, device: torch.device, step: int) -> dict[str, float]:

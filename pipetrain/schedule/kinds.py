@@ -7,7 +7,7 @@ its weight policy, whether stages may be replicated); its options (``GPipe(micro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from pipetrain.layout import Layout
@@ -79,6 +79,10 @@ class PipelineSchedule:
     def world(self, layout: Layout) -> int:
         """The workers that run ``layout``'s stages."""
         return layout.world
+
+    def placed(self, workers: int | None) -> PipelineSchedule:
+        """This schedule for ``workers`` workers (``pipetrain.train``'s), where it places stages itself."""
+        return self
 
     def policy(self, layout: Layout, stage: int) -> str:
         """The weight policy of ``stage``'s workers (:data:`pipetrain.runtime.weights.POLICIES`)."""
@@ -202,6 +206,11 @@ class Interleaved1F1B(_Microbatched):
 
     def world(self, layout: Layout) -> int:
         return self._workers()
+
+    def placed(self, workers: int | None) -> Interleaved1F1B:
+        if workers is not None and self.workers is not None and workers != self.workers:
+            raise ValueError(f"workers={workers} but the schedule says workers={self.workers}; give one of them")
+        return self if workers is None else replace(self, workers=workers)
 
     def _workers(self) -> int:
         if self.workers is None:
