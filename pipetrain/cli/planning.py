@@ -256,7 +256,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     schedule = schedule_of(args.schedule, args.microbatches).build(replicas, minibatches)
     result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size,
                       update_s=args.update_s)
-    names = [f"worker {w} (stage {schedule.stage_of(w)})" for w in range(schedule.num_workers)]
+    names = [f"worker {w} (stage {', '.join(map(str, schedule.stages_of(w)))})" for w in range(schedule.num_workers)]
     if args.png:
         draw_timeline(result.trace, args.png, names=names,
                       title=f"{args.schedule}, stages {boundaries}, replicas {replicas}: simulated")
