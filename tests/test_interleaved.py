@@ -9,6 +9,9 @@ from torch.utils.data import TensorDataset
 
 import pipetrain
 from pipetrain.registry import Interleaved1F1B, OneFOneBFlush, build_schedule
+from pipetrain.runtime.multi import edges as multi_edges
+from pipetrain.runtime.multi import stage_view
+from pipetrain.runtime.transport import Message, _decode, _encode
 from pipetrain.schedule import Schedule, ScheduleError, validate
 from pipetrain.schedule.actions import BACKWARD, FORWARD, Action
 from pipetrain.simulate import simulate
@@ -129,6 +132,23 @@ def test_simulated_trace_draws_with_several_stages_per_worker(tmp_path):
                   names=[f"worker {w} (stages {w},{w + 2})" for w in range(2)])
     write_chrome_trace(result.trace, tmp_path / "trace.json")
     assert (tmp_path / "timeline.png").stat().st_size > 0 and "F0.0s2" in (tmp_path / "trace.json").read_text()
+
+
+def test_each_stage_worker_sees_its_stage_actions_as_a_straight_pipeline():
+    schedule = interleaved(2, 2, 2, minibatches=2)
+    view = stage_view(schedule)
+    assert view.looped is None and view.num_workers == 4 and view.stage_of(3) == 3
+    assert view.actions[2] == tuple(a.local() for a in schedule.actions[0] if a.stage in (None, 2))
+    assert [str(a) for a in view.actions[1] if a.kind == "U"] == ["U0", "U1"]
+    validate(view)
+    assert multi_edges(4, 2) == [(0, 1), (1, 0)] and len(multi_edges(6, 3)) == 6
+
+
+def test_a_message_header_carries_the_boundary_it_crosses():
+    head = _encode(Message(3, 1, 5, [torch.zeros(2, 3, dtype=torch.float64)], False, 0, 2), torch.device("cpu"))
+    mb, micro, version, is_tuple, channel, cut, specs = _decode(head)
+    assert (mb, micro, version, is_tuple, channel, cut) == (3, 1, 5, False, 0, 2)
+    assert specs == [(torch.float64, [2, 3])]
 
 
 # -- runs -------------------------------------------------------------------------------------------

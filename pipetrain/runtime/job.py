@@ -215,7 +215,6 @@ def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: t
     for s in range(rank, stages, world):
         worker, stage = build_worker(cfg, s, device, multi.StageChannel(transport, s, world), None, start)
         worker.name, worker.trace = f"stage {s} (rank {rank})", None
-        worker.log = _history_log(rank) if worker.log is not None else None
         if cfg.run.loader_workers and s in (0, stages - 1):
             worker.source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
                                     pin=device.type == "cuda")
