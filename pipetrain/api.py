@@ -58,7 +58,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``bandwidth``, else over the measured transport), prints the table and trains the fastest
             (``result.choice`` records it).
         schedule: a pipeline's schedule: ``"pipedream"`` (the default), ``"naive"``, ``"gpipe"``,
-            ``"1f1b-flush"``, ``"model-parallel"``, or an object with options:
+            ``"1f1b-flush"``, ``"interleaved-1f1b"``, ``"model-parallel"``, or an object with options:
             ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``.
         stages: pipeline: the first layer index of each stage (one worker each), or the submodule each
             later stage begins at (``["transformer.h.2", "transformer.h.4"]``; the two may mix); or a
@@ -67,7 +67,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``bandwidth`` (PipeDream §3.2).
         workers: data parallel: the workers, each holding the whole model and taking batch_size /
             workers samples of every minibatch (under torchrun: default WORLD_SIZE). Pipeline: the
-            worker count for ``"auto"``; with a plan, it must match the plan's.
+            worker count for ``"auto"``; with a plan, it must match the plan's; with
+            ``"interleaved-1f1b"``, the W workers that hold the stages round robin (stage s on s mod W).
         bandwidth: link speed ``stages="auto"`` plans for (default 10 Gbit/s) and ``strategy="auto"``
             predicts at, bytes/s or a string such as ``"1Gbit"``.
         batch_size: samples per minibatch (one optimizer update of the whole job).

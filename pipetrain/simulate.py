@@ -23,7 +23,8 @@ data-parallel and CGDP predictions built on this engine live in :mod:`pipetrain.
   what the caller gives (e.g. Pipe-SGD's ring model, :func:`pipetrain.costs.ring_allreduce_time`);
   syncs do not compete with the pipeline's transfers for the links;
 * ``S`` lasts until its sync has ended (its record includes the wait);
-* ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers);
+* ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers;
+  on a worker holding several stages, whose actions name their stage, a ``U`` steps all: their sum);
   with a tied parameter (the profile's ``ties`` across stages) a borrowing stage's ``U`` first sends
   its gradient to the owning stage, whose ``U`` waits for every such gradient and then sends each
   borrower the new value; a borrower's first forward of a minibatch waits for the value of the
