@@ -102,7 +102,8 @@ def draw_timeline(traces: Traces, path: str | os.PathLike, title: str = "",
     """Draw one lane per worker, worker 0 on top, time in ms, and save it as a PNG.
 
     Forward and backward boxes are coloured differently and labelled with their minibatch id as in
-    the action text (0-based; ``3.1`` is minibatch 3's microbatch 1) where the box is wide enough.
+    the action text (0-based; ``3.1`` is minibatch 3's microbatch 1, ``3.1s2`` that of stage 2 on a worker
+    holding several stages) where the box is wide enough.
     Sends, receives (including the wait for the message), gradient syncs and optimizer steps are
     thin bars at the bottom of the lane.
 

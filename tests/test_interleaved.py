@@ -179,18 +179,22 @@ def _minibatch_sgd() -> list[torch.Tensor]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("microbatches,loader_workers", [(2, 0), (4, 1)])
-def test_two_workers_four_stages_equal_plain_minibatch_sgd(microbatches, loader_workers, tmp_path):
+@pytest.mark.parametrize("workers,stages,microbatches,loader_workers", [
+    (2, [0, 2, 4, 6], 2, 0), (2, [0, 2, 4, 6], 4, 1),
+    (3, [0, 1, 2, 3, 4, 6], 2, 0),  # fewer microbatches than workers; stages 1 and 3 hold a Tanh alone
+])
+def test_looped_stages_equal_plain_minibatch_sgd(workers, stages, microbatches, loader_workers, tmp_path):
     result = pipetrain.train(mlp(), _data(), loss_fn=torch.nn.functional.mse_loss,
-                             optimizer=functools.partial(torch.optim.SGD, lr=LR), stages=[0, 2, 4, 6], workers=2,
+                             optimizer=functools.partial(torch.optim.SGD, lr=LR), stages=stages, workers=workers,
                              schedule=Interleaved1F1B(microbatches=microbatches), batch_size=BATCH, shuffle=False,
                              timeout=60, trace=tmp_path, loader_workers=loader_workers)
     assert [h["step"] for h in result.history] == list(range(1, MINIBATCHES + 1))
     for got, want in zip(result.model.parameters(), _minibatch_sgd()):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-9)
-    assert len(result.traces) == 2
-    assert {Action.parse(text).stage for text, _, _ in result.traces[1]} == {1, 3, None}
-    assert "worker 1 (stages 1, 3)" in (tmp_path / "trace.json").read_text()
+    held = list(range(1, len(stages), workers))
+    assert len(result.traces) == workers
+    assert {Action.parse(text).stage for text, _, _ in result.traces[1]} == {*held, None}
+    assert f"worker 1 (stages {', '.join(map(str, held))})" in (tmp_path / "trace.json").read_text()
     assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
