@@ -271,13 +271,13 @@ def _kept_epoch(cfg: JobConfig) -> int | None:
     """The newest epoch every worker saved whole for this job, or None (no checkpoints)."""
     if cfg.run.checkpoint_dir is None:
         return None
-    return checkpoint.resume_epoch(cfg.run.checkpoint_dir, cfg.world, cfg.identity(), warn)
+    return checkpoint.resume_epoch(cfg.run.checkpoint_dir, cfg.savers, cfg.identity(), warn)
 
 
 def _whole_history(cfg: JobConfig, kept: int | None, streamed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of a failed run: those saved with the newest checkpoint, then those the workers
     streamed since (one per step)."""
-    saved = checkpoint.history(cfg.run.checkpoint_dir, cfg.world, kept) \
+    saved = checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, kept) \
         if kept is not None and cfg.run.checkpoint_dir is not None else []
     records = {h["step"]: h for h in saved}
     records.update({h["step"]: h for h in streamed})
@@ -295,7 +295,7 @@ def _already_done(cfg: JobConfig, start: Start, started: float, restarts: list[d
              f"nothing left to train, returning the model of epoch {start.resume_from} (ask for more epochs to "
              "train on)")
     return TrainResult(checkpoint.assemble(cfg.training.model, cfg.run.checkpoint_dir, start.resume_from),
-                       checkpoint.history(cfg.run.checkpoint_dir, cfg.world, start.resume_from), 0.0, started=started,
+                       checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, start.resume_from), 0.0, started=started,
                        restarts=restarts, epochs_trained=trained)
 
 

@@ -237,8 +237,7 @@ class JobConfig:
     def _check_looped(self) -> None:
         """What a schedule whose workers hold several stages cannot run yet, refused in one line."""
         assert self.schedule is not None
-        given = [what for what, on in (("checkpoint_dir", self.run.checkpoint_dir is not None),
-                                       ("eval_dataset", self.training.eval_dataset is not None),
+        given = [what for what, on in (("eval_dataset", self.training.eval_dataset is not None),
                                        ("tied parameters", bool(self.ties))) if on]
         if given:
             raise ValueError(f"schedule {self.schedule.name!r} does not run with {given[0]} yet; drop it, or use "
@@ -256,6 +255,11 @@ class JobConfig:
     @property
     def world(self) -> int:
         return self.layout.world if self.schedule is None else self.schedule.world(self.layout)
+
+    @property
+    def savers(self) -> int:
+        """Checkpoint files per epoch: one per worker, or per stage where a worker holds several."""
+        return self.layout.num_stages if self.looped else self.world
 
     def worker_name(self, rank: int) -> str:
         """How messages name ``rank``: its stage (:meth:`pipetrain.layout.Layout.name`), or the stages it holds."""

@@ -162,11 +162,12 @@ def _data() -> TensorDataset:
                          torch.randn(MINIBATCHES * BATCH, SIZES[-1], generator=g, dtype=torch.float64))
 
 
-def _minibatch_sgd() -> list[torch.Tensor]:
-    """The whole model's plain minibatch SGD, written out: tanh layers, a linear head, mean squared error."""
+def _minibatch_sgd(epochs: int = 1) -> list[torch.Tensor]:
+    """The whole model's plain minibatch SGD, written out: tanh layers, a linear head, mean squared error;
+    the minibatches in dataset order every epoch."""
     params = [p.detach().clone() for p in mlp().parameters()]
     x_all, y_all = _data().tensors
-    for t in range(MINIBATCHES):
+    for t in [t for _ in range(epochs) for t in range(MINIBATCHES)]:
         leaves = [p.clone().requires_grad_() for p in params]
         h = x_all[t * BATCH:(t + 1) * BATCH]
         for i in range(0, len(leaves), 2):
@@ -198,6 +199,22 @@ def test_looped_stages_equal_plain_minibatch_sgd(workers, stages, microbatches, 
     assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
+@pytest.mark.multiprocess
+def test_a_resumed_run_goes_on_as_if_never_stopped(tmp_path):
+    """Two epochs saved (a file per stage), then a third resumed from them: the model of three epochs
+    of plain minibatch SGD, and every step's record."""
+    kw = dict(loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+              stages=[0, 2, 4, 6], workers=2, schedule=Interleaved1F1B(microbatches=2), batch_size=BATCH,
+              shuffle=False, timeout=60, checkpoint_dir=tmp_path)
+    pipetrain.train(mlp(), _data(), epochs=2, **kw)
+    assert {p.name for p in tmp_path.glob("w*-epoch1.pt")} == {f"w{s}-epoch1.pt" for s in range(4)}
+    result = pipetrain.train(mlp(), _data(), epochs=3, resume=True, **kw)
+    assert result.epochs_trained == 1
+    assert [h["step"] for h in result.history] == list(range(1, 3 * MINIBATCHES + 1))
+    for got, want in zip(result.model.parameters(), _minibatch_sgd(epochs=3)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-9)
+
+
 def _train(**kw):
     args = dict(loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
                 stages=[0, 2, 4, 6], workers=2, schedule=Interleaved1F1B(microbatches=2), batch_size=BATCH)
@@ -212,7 +229,6 @@ def _train(**kw):
      "give a multiple of 4 stages"),
     (dict(schedule=Interleaved1F1B(microbatches=3)), "batch_size 4 is not divisible by microbatches 3"),
     (dict(stages="auto"), "a plan places one stage per worker"),
-    (dict(checkpoint_dir="ckpt"), "does not run with checkpoint_dir yet"),
     (dict(eval_dataset=_data()), "does not run with eval_dataset yet"),
     (dict(schedule="interleaved-1f1b", batch_size=4, workers=2, stages=[0, 2, 4]), "give a multiple of 2 stages"),
 ])

@@ -139,7 +139,6 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
     sync = cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
     worker, stage = build_worker(cfg, rank, device, transport, sync, start)
     ready = time.perf_counter()
-    optimizer, policy = worker.optimizer, worker.policy
     if cfg.run.loader_workers and layout.stage_of(rank) in (0, layout.num_stages - 1):  # a middle stage reads no data
         worker.source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch,
                                 cfg.run.timeout, pin=device.type == "cuda")
@@ -171,12 +170,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
             if bar:
                 bar.write(f"epoch {epoch}: held-out " + ", ".join(f"{name} {v:.4g}" for name, v in scores.items()))
         if cfg.run.checkpoint_dir:
-            checkpoint.save(cfg.run.checkpoint_dir, rank, epoch, {
-                "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
-                "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else {},
-                "epoch": epoch, "version": policy.version, "rng": _rng(device),
-                "history": [asdict(h) for h in worker.history] if layout.reporter(rank) else []},
-                cfg.identity(), keep=cfg.run.keep_checkpoints)
+            _save(cfg, rank, epoch, worker, stage, device)
     if bar:
         bar.close()
     worker.source.close()
@@ -195,6 +189,18 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
     return _shared(result, world)
 
 
+def _save(cfg: JobConfig, rank: int, epoch: int, worker: Worker, stage: nn.Module, device: torch.device) -> None:
+    """Checkpoint ``rank``'s worker (of a looped schedule: the stage's, ``rank`` being the stage) after ``epoch``."""
+    assert cfg.run.checkpoint_dir is not None
+    optimizer = worker.optimizer
+    checkpoint.save(cfg.run.checkpoint_dir, rank, epoch, {
+        "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
+        "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else {},
+        "epoch": epoch, "version": worker.policy.version, "rng": _rng(device),
+        "history": [asdict(h) for h in worker.history] if cfg.layout.reporter(rank) else []},
+        cfg.identity(), keep=cfg.run.keep_checkpoints)
+
+
 def _shared(result: dict[str, Any], world: int) -> dict[str, Any]:
     """This rank's part; under torchrun every rank gets every rank's part."""
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":
@@ -211,15 +217,13 @@ def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: t
     t, stages = cfg.training, cfg.layout.num_stages
     transport = Transport(rank, multi.edges(stages, world), cfg.worker_name, device, cfg.run.timeout)
     workers: dict[int, Worker] = {}
-    modules: list[nn.Module] = []
+    modules: dict[int, nn.Module] = {}
     for s in range(rank, stages, world):
-        worker, stage = build_worker(cfg, s, device, multi.StageChannel(transport, s, world), None, start)
-        worker.name, worker.trace = f"stage {s} (rank {rank})", None
+        workers[s], modules[s] = build_worker(cfg, s, device, multi.StageChannel(transport, s, world), None, start)
+        workers[s].name, workers[s].trace = f"stage {s} (rank {rank})", None
         if cfg.run.loader_workers and s in (0, stages - 1):
-            worker.source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
-                                    pin=device.type == "cuda")
-        workers[s] = worker
-        modules.append(stage)
+            workers[s].source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
+                                        pin=device.type == "cuda")
     ready = time.perf_counter()
     local = multi.LocalStages(rank, workers, [] if cfg.run.trace else None)
     k = per_epoch(t.items, t.batch_size, 1)
@@ -228,6 +232,8 @@ def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: t
     for epoch in range(start.first_epoch, t.epochs):
         batches = epoch_order(t.items, t.batch_size, epoch, t.shuffle, t.seed, 1)
         local.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
+        for s, worker in workers.items() if cfg.run.checkpoint_dir else ():
+            _save(cfg, s, epoch, worker, modules[s], device)
     if bar:
         bar.close()
     for worker in workers.values():
@@ -235,7 +241,7 @@ def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: t
     transport.close()
     history = [asdict(h) for worker in workers.values() for h in worker.history]
     return _shared({"rank": rank, "digest": None, "ready": ready, "history": history, "trace": local.trace or [],
-                    "state": {k: v.detach().cpu() for m in modules for k, v in m.state_dict().items()},
+                    "state": {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()},
                     "bytes_sent": transport.bytes_sent, "sync_stats": {},
                     "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, world)
 
