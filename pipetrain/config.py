@@ -235,13 +235,13 @@ class JobConfig:
         object.__setattr__(self, "ties", ties)
 
     def _check_looped(self) -> None:
-        """What a schedule whose workers hold several stages cannot run yet, refused in one line."""
+        """What a schedule whose workers hold several stages cannot run yet (tied parameters), refused in one
+        line."""
         assert self.schedule is not None
-        given = [what for what, on in (("eval_dataset", self.training.eval_dataset is not None),
-                                       ("tied parameters", bool(self.ties))) if on]
-        if given:
-            raise ValueError(f"schedule {self.schedule.name!r} does not run with {given[0]} yet; drop it, or use "
-                             "'1f1b-flush' (one stage per worker)")
+        if self.ties:
+            raise ValueError(f"schedule {self.schedule.name!r} does not run tied parameters yet (parameter "
+                             f"{self.ties[0].name} is read by stages {list(self.ties[0].stages)}); cut so one stage "
+                             "holds every use, or use '1f1b-flush' (one stage per worker)")
 
     @property
     def data_parallel(self) -> bool:

@@ -162,6 +162,10 @@ def _data() -> TensorDataset:
                          torch.randn(MINIBATCHES * BATCH, SIZES[-1], generator=g, dtype=torch.float64))
 
 
+def _mae(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).abs().mean()
+
+
 def _minibatch_sgd(epochs: int = 1) -> list[torch.Tensor]:
     """The whole model's plain minibatch SGD, written out: tanh layers, a linear head, mean squared error;
     the minibatches in dataset order every epoch."""
@@ -188,10 +192,21 @@ def test_looped_stages_equal_plain_minibatch_sgd(workers, stages, microbatches, 
     result = pipetrain.train(mlp(), _data(), loss_fn=torch.nn.functional.mse_loss,
                              optimizer=functools.partial(torch.optim.SGD, lr=LR), stages=stages, workers=workers,
                              schedule=Interleaved1F1B(microbatches=microbatches), batch_size=BATCH, shuffle=False,
-                             timeout=60, trace=tmp_path, loader_workers=loader_workers)
+                             timeout=60, trace=tmp_path, loader_workers=loader_workers, eval_dataset=_data(),
+                             metrics={"mae": _mae})
     assert [h["step"] for h in result.history] == list(range(1, MINIBATCHES + 1))
-    for got, want in zip(result.model.parameters(), _minibatch_sgd()):
-        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-9)
+    want = _minibatch_sgd()
+    for got, param in zip(result.model.parameters(), want):
+        torch.testing.assert_close(got.detach(), param, rtol=0, atol=1e-9)
+    # held out: the trained model on every item (minibatches of equal size: the mean of their means)
+    x, y = _data().tensors
+    h = x
+    for i in range(0, len(want), 2):
+        h = h @ want[i].T + want[i + 1]
+        h = torch.tanh(h) if i < len(want) - 2 else h
+    scores = result.history[-1]["eval"]
+    assert scores["loss"] == pytest.approx(float(((h - y) ** 2).mean()), abs=1e-9)
+    assert scores["mae"] == pytest.approx(float((h - y).abs().mean()), abs=1e-9)
     held = list(range(1, len(stages), workers))
     assert len(result.traces) == workers
     assert {Action.parse(text).stage for text, _, _ in result.traces[1]} == {*held, None}
@@ -229,7 +244,6 @@ def _train(**kw):
      "give a multiple of 4 stages"),
     (dict(schedule=Interleaved1F1B(microbatches=3)), "batch_size 4 is not divisible by microbatches 3"),
     (dict(stages="auto"), "a plan places one stage per worker"),
-    (dict(eval_dataset=_data()), "does not run with eval_dataset yet"),
     (dict(schedule="interleaved-1f1b", batch_size=4, workers=2, stages=[0, 2, 4]), "give a multiple of 2 stages"),
 ])
 def test_bad_requests_are_refused_in_one_line_before_any_worker_starts(kw, words):

@@ -33,7 +33,7 @@ from pipetrain.runtime.loader import Inline, Loaders, Recipe
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, append_json
-from pipetrain.schedule import evaluation
+from pipetrain.schedule import evaluation, interleaved
 from pipetrain.strategies.base import GradSync, SyncContext
 
 
@@ -232,6 +232,10 @@ def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: t
     for epoch in range(start.first_epoch, t.epochs):
         batches = epoch_order(t.items, t.batch_size, epoch, t.shuffle, t.seed, 1)
         local.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
+        if t.eval_dataset is not None:
+            scores = _evaluate(cfg, local, epoch, device, (epoch + 1) * k)
+            if bar:
+                bar.write(f"epoch {epoch}: held-out " + ", ".join(f"{name} {v:.4g}" for name, v in scores.items()))
         for s, worker in workers.items() if cfg.run.checkpoint_dir else ():
             _save(cfg, s, epoch, worker, modules[s], device)
     if bar:
@@ -239,14 +243,15 @@ def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: t
     for worker in workers.values():
         worker.source.close()
     transport.close()
-    history = [asdict(h) for worker in workers.values() for h in worker.history]
-    return _shared({"rank": rank, "digest": None, "ready": ready, "history": history, "trace": local.trace or [],
+    return _shared({"rank": rank, "digest": None, "ready": ready, "history": [asdict(h) for h in local.history],
+                    "trace": local.trace or [],
                     "state": {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()},
                     "bytes_sent": transport.bytes_sent, "sync_stats": {},
                     "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, world)
 
 
-def _evaluate(cfg: JobConfig, worker: Worker, epoch: int, device: torch.device, step: int) -> dict[str, float]:
+def _evaluate(cfg: JobConfig, worker: Worker | multi.LocalStages, epoch: int, device: torch.device,
+              step: int) -> dict[str, float]:
     """Evaluate on the job's ``eval_dataset`` at the end of ``epoch`` (every rank takes part): whole minibatches
     in dataset order, forward only through the stages (each replica its round-robin share; data
     parallelism: each worker its shard). Returns the means over the samples of the loss and each metric,
@@ -256,7 +261,8 @@ def _evaluate(cfg: JobConfig, worker: Worker, epoch: int, device: torch.device, 
     metrics = t.metrics or {}
     n_items = len(t.eval_dataset)  # type: ignore[arg-type]
     batches = epoch_order(n_items, t.batch_size, 0, False, 0, 1)
-    schedule = evaluation(cfg.layout.replicas, len(batches), cfg.data_parallel)
+    schedule = interleaved.evaluation(cfg.world, cfg.layout.num_stages, len(batches)) if cfg.looped else \
+        evaluation(cfg.layout.replicas, len(batches), cfg.data_parallel)
     sums = torch.tensor(worker.evaluate(schedule, batches, metrics), dtype=torch.float64,
                         device=device)
     dist.all_reduce(sums)  # the output stage's sums (every data-parallel worker's shards) reach every rank

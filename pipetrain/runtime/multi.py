@@ -10,12 +10,15 @@ stage boundary it crosses: a boundary's activations and gradients go between two
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from pipetrain.runtime.transport import Message, Transport
 from pipetrain.runtime.worker import StepRecord, Worker
-from pipetrain.schedule import Schedule
+from pipetrain.schedule import Action, Schedule
 
 
 def edges(stages: int, workers: int) -> list[tuple[int, int]]:
@@ -61,6 +64,16 @@ class LocalStages:
     def __init__(self, rank: int, workers: dict[int, Worker], trace: list[tuple[str, float, float]] | None) -> None:
         self.rank, self.workers, self.trace = rank, workers, trace
 
+    @property
+    def history(self) -> list[StepRecord]:
+        """The updates the output stage's Worker recorded (none where this process does not hold it)."""
+        return [record for worker in self.workers.values() for record in worker.history]
+
+    @property
+    def metrics_log(self) -> Path | None:
+        """The output stage's metrics log, if this process holds that stage and the job keeps one."""
+        return next((w.metrics_log for w in self.workers.values() if w.metrics_log is not None), None)
+
     def run_epoch(self, schedule: Schedule, epoch: int, batches: list[list[int]], mb_offset: int,
                   on_step: Callable[[StepRecord], None] | None = None) -> None:
         """Execute this process's actions of ``schedule`` (looped) for one epoch."""
@@ -69,8 +82,23 @@ class LocalStages:
             worker.begin_epoch(view, epoch, batches, mb_offset)
         for action in schedule.actions[self.rank]:
             t0 = time.perf_counter()
-            targets = self.workers.values() if action.stage is None else (self.workers[action.stage],)
-            for worker in targets:
+            for worker in self._targets(action):
                 worker.step(action.local(), on_step)
             if self.trace is not None:
                 self.trace.append((str(action), t0, time.perf_counter()))
+
+    def evaluate(self, schedule: Schedule, batches: list[list[int]],
+                 metrics: dict[str, Callable[[Any, Any], Any]]) -> list[float]:
+        """:meth:`pipetrain.runtime.worker.Worker.evaluate` of a forward-only looped ``schedule``: this
+        process's sums (zeros but where it holds the output stage)."""
+        view = stage_view(schedule)
+        with contextlib.ExitStack() as stack:
+            sums = [stack.enter_context(w.evaluating(view, batches, metrics)) for w in self.workers.values()]
+            for action in schedule.actions[self.rank]:
+                for worker in self._targets(action):
+                    worker.step(action.local())
+        return [sum(values) for values in zip(*sums)]
+
+    def _targets(self, action: Action) -> list[Worker]:
+        """The Workers an action goes to: its stage's, or every one (an update without a stage)."""
+        return list(self.workers.values()) if action.stage is None else [self.workers[action.stage]]

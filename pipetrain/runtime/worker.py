@@ -156,6 +156,16 @@ class Worker:
         """Run a forward-only ``schedule`` over ``batches`` of the evaluation dataset with the live
         weights, in eval mode and without gradients; return this worker's sums over its samples of the
         loss and of each metric, then its sample count (zeros but at the output stage)."""
+        with self.evaluating(schedule, batches, metrics) as scores:
+            for action in schedule.actions[self.rank]:
+                self._do(action)
+        return scores
+
+    @contextlib.contextmanager
+    def evaluating(self, schedule: Schedule, batches: list[list[int]],
+                   metrics: dict[str, Callable[[Any, Any], Any]]) -> Iterator[list[float]]:
+        """Inside it, :meth:`step` runs ``schedule``'s evaluation actions as :meth:`evaluate` does; it
+        yields the sums, filled in as they run."""
         saved = (self._sched, self._batches, self._collated)
         self._sched, self._batches, self._collated = schedule, batches, {}
         self._first, self._last = schedule.stage_of(self.rank) == 0, schedule.stage_of(self.rank) == schedule.num_stages - 1
@@ -165,9 +175,7 @@ class Worker:
         self.stage.eval()
         try:
             with torch.no_grad():
-                for action in schedule.actions[self.rank]:
-                    self._do(action)
-            return self._scores
+                yield self._scores
         finally:
             self.stage.train(was_training)
             self._sched, self._batches, self._collated = saved

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from pipetrain.schedule.actions import (
-    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, UPDATE, Action,
+    BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, UPDATE, Action, Schedule,
 )
 
 Lists = list[list[Action]]
@@ -97,3 +97,11 @@ def p2p_pass(stages: int, compute: Lists) -> Lists:
                 seq.append(a)
         out.append(seq)
     return out
+
+
+def evaluation(workers: int, stages: int, minibatches: int) -> Schedule:
+    """Forward only (evaluation): each worker runs minibatch by minibatch the forwards of its stages in
+    order, so every forward waits only on one earlier in the same order elsewhere (no deadlock)."""
+    compute = [[Action(FORWARD, mb, None, s) for mb in range(minibatches) for s in range(w, stages, workers)]
+               for w in range(workers)]
+    return Schedule("evaluation", (1,) * stages, tuple(map(tuple, p2p_pass(stages, compute))), looped=workers)
