@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 import pipetrain
+from pipetrain.cli import main
 from pipetrain.registry import Interleaved1F1B, OneFOneBFlush, build_schedule
 from pipetrain.runtime.multi import edges as multi_edges
 from pipetrain.runtime.multi import stage_view
@@ -149,6 +151,18 @@ def test_a_message_header_carries_the_boundary_it_crosses():
     mb, micro, version, is_tuple, channel, cut, specs = _decode(head)
     assert (mb, micro, version, is_tuple, channel, cut) == (3, 1, 5, False, 0, 2)
     assert specs == [(torch.float64, [2, 3])]
+
+
+def test_simulate_cli_places_the_stages_with_looped(tmp_path, capsys):
+    equal_profile(4).save(tmp_path / "p.json")
+    argv = ["simulate", str(tmp_path / "p.json"), "--stages", "0,1,2,3", "--schedule", "interleaved-1f1b",
+            "--microbatches", "4", "--minibatches", "1", "--json", "--png", str(tmp_path / "t.png")]
+    assert main([*argv, "--looped", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["makespan_s"] == pytest.approx(2 * (F + B) + (F + B) / 4, rel=1e-3) and len(out["busy_fraction"]) == 2
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert main(argv) == 1
+    assert "--looped W goes with --stages" in capsys.readouterr().err
 
 
 # -- runs -------------------------------------------------------------------------------------------
