@@ -16,6 +16,7 @@ from pipetrain.runtime.multi import stage_view
 from pipetrain.runtime.transport import Message, _decode, _encode
 from pipetrain.schedule import Schedule, ScheduleError, validate
 from pipetrain.schedule.actions import BACKWARD, FORWARD, Action
+from pipetrain.schedule.interleaved import evaluation
 from pipetrain.simulate import simulate
 from pipetrain.trace import draw_timeline, write_chrome_trace
 from pt_models import SIZES, mlp
@@ -79,6 +80,7 @@ def test_validator_finds_no_deadlock(workers, per_worker, microbatches):
     # every worker makes one update per minibatch, after all its stages' microbatches
     for acts in schedule.actions:
         assert [a.mb for a in acts if a.kind == "U"] == [0, 1, 2]
+    validate(evaluation(workers, workers * per_worker, 3))  # forward only, each worker its stages in turn
 
 
 def test_a_swapped_receive_deadlocks_and_the_grid_names_the_stages():
