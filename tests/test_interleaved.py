@@ -266,3 +266,12 @@ def test_bad_requests_are_refused_in_one_line_before_any_worker_starts(kw, words
     with pytest.raises(ValueError, match=words) as err:
         _train(**kw)
     assert "\n" not in str(err.value)
+
+
+def test_tied_parameters_are_refused_in_one_line():
+    from test_tied import TiedNet, dataset
+    with pytest.raises(ValueError, match=r"does not run tied parameters yet \(parameter emb.weight") as err:
+        pipetrain.train(TiedNet(), dataset(), loss_fn=torch.nn.functional.cross_entropy,
+                        optimizer=functools.partial(torch.optim.SGD, lr=LR), stages=[0, 1, 3, 5], workers=2,
+                        schedule="interleaved-1f1b", batch_size=BATCH)
+    assert "\n" not in str(err.value)
