@@ -61,8 +61,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``bandwidth``, else over the measured transport), prints the table and trains the fastest
             (``result.choice`` records it).
         schedule: a pipeline's schedule: ``"pipedream"`` (the default), ``"naive"``, ``"gpipe"``,
-            ``"1f1b-flush"``, ``"zero-bubble"``, ``"model-parallel"``, or an object with options:
-            ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``; or
+            ``"1f1b-flush"``, ``"zero-bubble"``, ``"interleaved-1f1b"``, ``"model-parallel"``, or an object with
+            options: ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``; or
             ``"auto"`` with ``stages="auto"``: every schedule is simulated at each microbatch count for the
             plan, the table printed, and the fastest run (``result.plan.options["schedules"]`` keeps it).
         stages: pipeline: the first layer index of each stage (one worker each), or the submodule each
@@ -72,7 +72,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``bandwidth`` (PipeDream §3.2).
         workers: data parallel: the workers, each holding the whole model and taking batch_size /
             workers samples of every minibatch (under torchrun: default WORLD_SIZE). Pipeline: the
-            worker count for ``"auto"``; with a plan, it must match the plan's.
+            worker count for ``"auto"``; with a plan, it must match the plan's; with
+            ``"interleaved-1f1b"``, the W workers that hold the stages round robin (stage s on s mod W).
         bandwidth: link speed ``stages="auto"`` plans for (default 10 Gbit/s) and ``strategy="auto"``
             predicts at, bytes/s or a string such as ``"1Gbit"``.
         batch_size: samples per minibatch (one optimizer update of the whole job).
@@ -166,7 +167,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         if schedule_auto:
             assert workers is not None
             picked, plan, predicted, _ = auto.plan_schedule(training, run, workers, bandwidth, phases)
-        picked = picked or as_schedule(DEFAULT_SCHEDULE)
+        picked = (picked or as_schedule(DEFAULT_SCHEDULE)).placed(workers)
         captured = time.perf_counter()
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
         phases["capture_s"] = time.perf_counter() - (captured if schedule_auto else started)
@@ -209,7 +210,7 @@ def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
     """Run the job from where its checkpoints let it resume; when a worker dies or goes silent, start
     every worker again from the newest epoch all of them saved, up to ``max_restarts`` times."""
     _preflight(cfg)
-    name = cfg.layout.name
+    name = cfg.worker_name
     start = Start(restarted, _kept_epoch(cfg) if cfg.run.resume else None)
     if cfg.run.resume and start.resume_from is None:
         warn(f"resume=True but {cfg.run.checkpoint_dir} holds no complete checkpoint of this job; starting from "
@@ -284,13 +285,13 @@ def _kept_epoch(cfg: JobConfig) -> int | None:
     """The newest epoch every worker saved whole for this job, or None (no checkpoints)."""
     if cfg.run.checkpoint_dir is None:
         return None
-    return checkpoint.resume_epoch(cfg.run.checkpoint_dir, cfg.world, cfg.identity(), warn)
+    return checkpoint.resume_epoch(cfg.run.checkpoint_dir, cfg.savers, cfg.identity(), warn)
 
 
 def _whole_history(cfg: JobConfig, kept: int | None, streamed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of a failed run: those saved with the newest checkpoint, then those the workers
     streamed since (one per step)."""
-    saved = checkpoint.history(cfg.run.checkpoint_dir, cfg.world, kept) \
+    saved = checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, kept) \
         if kept is not None and cfg.run.checkpoint_dir is not None else []
     records = {h["step"]: h for h in saved}
     records.update({h["step"]: h for h in streamed})
@@ -308,7 +309,7 @@ def _already_done(cfg: JobConfig, start: Start, started: float, restarts: list[d
              f"nothing left to train, returning the model of epoch {start.resume_from} (ask for more epochs to "
              "train on)")
     return TrainResult(checkpoint.assemble(cfg.training.model, cfg.run.checkpoint_dir, start.resume_from),
-                       checkpoint.history(cfg.run.checkpoint_dir, cfg.world, start.resume_from), 0.0, started=started,
+                       checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, start.resume_from), 0.0, started=started,
                        restarts=restarts, epochs_trained=trained)
 
 

@@ -211,6 +211,8 @@ class JobConfig:
                 raise ValueError(f"batch_size {t.batch_size} is not divisible by microbatches "
                                  f"{self.schedule.microbatches}; pick a batch size that splits evenly")
             self._check_stages(layers if layers is not None else LayeredModel(t.model, self.example()))
+            if self.looped:
+                self._check_looped()
         if t.items < t.batch_size * layout.rounds:
             raise ValueError(f"the dataset has {t.items} items, fewer than one round of minibatches "
                              f"({t.batch_size * layout.rounds}); use a smaller batch_size")
@@ -232,13 +234,38 @@ class JobConfig:
                                  "current, so the copies' gradients have no version to agree on; use pipedream")
         object.__setattr__(self, "ties", ties)
 
+    def _check_looped(self) -> None:
+        """What a schedule whose workers hold several stages cannot run yet (tied parameters), refused in one
+        line."""
+        assert self.schedule is not None
+        if self.ties:
+            raise ValueError(f"schedule {self.schedule.name!r} does not run tied parameters yet (parameter "
+                             f"{self.ties[0].name} is read by stages {list(self.ties[0].stages)}); cut so one stage "
+                             "holds every use, or use '1f1b-flush' (one stage per worker)")
+
     @property
     def data_parallel(self) -> bool:
         return self.strategy.data_parallel
 
     @property
+    def looped(self) -> bool:
+        """Its workers hold several stages each, round robin (``interleaved-1f1b``)."""
+        return self.schedule is not None and self.schedule.looped
+
+    @property
     def world(self) -> int:
-        return self.layout.world
+        return self.layout.world if self.schedule is None else self.schedule.world(self.layout)
+
+    @property
+    def savers(self) -> int:
+        """Checkpoint files per epoch: one per worker, or per stage where a worker holds several."""
+        return self.layout.num_stages if self.looped else self.world
+
+    def worker_name(self, rank: int) -> str:
+        """How messages name ``rank``: its stage (:meth:`pipetrain.layout.Layout.name`), or the stages it holds."""
+        if not self.looped:
+            return self.layout.name(rank)
+        return f"worker {rank} (stages {', '.join(map(str, range(rank, self.layout.num_stages, self.world)))})"
 
     @property
     def microbatches(self) -> int:
@@ -358,6 +385,9 @@ def check_request(strategy: Strategy | Auto, schedule: PipelineSchedule | str | 
             raise ValueError(f"stages={stages!r}: give the first layer index of each stage as integers, e.g. "
                              "[0, 3, 7], or the submodule each later stage begins at, e.g. ['transformer.h.2', "
                              "'transformer.h.4']")
-        if workers is not None:
+        if workers is not None and not (isinstance(schedule, PipelineSchedule) and schedule.looped):
             raise ValueError(f"workers={workers} is given beside explicit stages, which place one worker per stage; "
                              "drop workers, or plan with stages='auto'")
+    if isinstance(schedule, PipelineSchedule) and schedule.looped and isinstance(stages, (str, os.PathLike, Plan)):
+        raise ValueError(f"schedule {schedule.name!r} takes stages as first layers (a multiple of the workers) and "
+                         "workers=W, each worker holding every W-th stage; a plan places one stage per worker")

@@ -12,17 +12,18 @@ from typing import Any
 
 from pipetrain.schedule.actions import Schedule
 from pipetrain.schedule.kinds import (
-    GPipe, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipelineSchedule, ZeroBubble,
+    GPipe, Interleaved1F1B, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipelineSchedule, ZeroBubble,
 )
 from pipetrain.strategies.kinds import CGDP, DDP, Auto, Pipeline, PipeSGD, Strategy
 
-__all__ = ["Auto", "CGDP", "DDP", "DEFAULT_SCHEDULE", "GPipe", "ModelParallel", "Naive", "OneFOneBFlush", "PipeDream",
-           "PipeSGD", "Pipeline", "PipelineSchedule", "SCHEDULES", "STRATEGIES", "Strategy", "ZeroBubble",
-           "as_schedule", "as_strategy", "build_data_parallel", "build_schedule", "from_options", "make", "schedule_of"]
+__all__ = ["Auto", "CGDP", "DDP", "DEFAULT_SCHEDULE", "GPipe", "Interleaved1F1B", "ModelParallel", "Naive",
+           "OneFOneBFlush", "PipeDream", "PipeSGD", "Pipeline", "PipelineSchedule", "SCHEDULES", "STRATEGIES", "Strategy",
+           "ZeroBubble", "as_schedule", "as_strategy", "build_data_parallel", "build_schedule", "from_options", "make",
+           "schedule_of"]
 
 
 SCHEDULES: dict[str, type[PipelineSchedule]] = {c.name: c for c in (PipeDream, Naive, GPipe, OneFOneBFlush,
-                                                                    ModelParallel, ZeroBubble)}
+                                                                    ModelParallel, ZeroBubble, Interleaved1F1B)}
 DEFAULT_SCHEDULE = PipeDream.name
 
 

@@ -24,7 +24,8 @@ data-parallel and CGDP predictions built on this engine live in :mod:`pipetrain.
   what the caller gives (e.g. Pipe-SGD's ring model, :func:`pipetrain.costs.ring_allreduce_time`);
   syncs do not compete with the pipeline's transfers for the links;
 * ``S`` lasts until its sync has ended (its record includes the wait);
-* ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers);
+* ``U`` lasts ``update_s`` (default: the optimizer seconds the profile holds for the stage's layers;
+  on a worker holding several stages, whose actions name their stage, a ``U`` steps all: their sum);
   with a tied parameter (the profile's ``ties`` across stages) a borrowing stage's ``U`` first sends
   its gradient to the owning stage, whose ``U`` waits for every such gradient and then sends each
   borrower the new value; a borrower's first forward of a minibatch waits for the value of the
@@ -108,7 +109,7 @@ class _Sim:
                  ties: Sequence[tuple[list[int], int]] = ()) -> None:
         self.sched, self.costs, self.link, self.setup = schedule, stages, link, setup
         # tied parameters (stages reading it, bytes): the owner's and each borrower's counterparts
-        rank = schedule.layout.first_rank
+        rank = schedule.first_worker
         self.borrowers: dict[int, list[tuple[int, int]]] = defaultdict(list)
         self.lenders: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for tied, nbytes in ties:
@@ -127,8 +128,8 @@ class _Sim:
         n = schedule.num_workers
         self.pos, self.clock = [0] * n, [0.0] * n
         self.trace: list[list[Record]] = [[] for _ in range(n)]
-        # (dst, recv kind, mb, micro), or (dst, "TG"|"TV", update, peer) of a tie -> (arrival, bytes)
-        self.arrival: dict[tuple[int, str, int, int | None], tuple[float, float]] = {}
+        # (dst, its receive action), or (dst, "TG"|"TV", update, peer) of a tie -> (arrival, bytes)
+        self.arrival: dict[tuple[int, Action] | tuple[int, str, int, int], tuple[float, float]] = {}
         self.link_free: dict[tuple[int, int], float] = defaultdict(float)
         self.sync_started: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)  # (stage, k) -> w: t
         self.sync_end: dict[tuple[int, int], float] = {}  # (stage, k) -> when the k-th sync ended
@@ -197,7 +198,7 @@ class _Sim:
         return True
 
     def _end(self, w: int, a: Action, start: float) -> float | None:
-        s, m = self.sched.stage_of(w), self.sched.microbatches
+        s, m = self.sched.stage_at(w, a), self.sched.microbatches
         if a.kind == FORWARD:
             first = a.micro in (None, 0)  # builds the minibatch; may make a new weight version
             if s == 0 and first:
@@ -222,10 +223,10 @@ class _Sim:
             assert dst is not None
             cut = s if a.kind == SEND_ACT else s - 1  # gradients cross the cut after the previous stage
             nbytes = self.costs[cut].output_bytes / m
-            self.arrival[(dst, SENDS[a.kind], a.mb, a.micro)] = (self._send(w, dst, nbytes, start), nbytes)
+            self.arrival[(dst, a.counterpart())] = (self._send(w, dst, nbytes, start), nbytes)
             return start + self._cpu_s(nbytes)
         if a.kind in (RECV_ACT, RECV_GRAD):
-            got = self.arrival.pop((w, a.kind, a.mb, a.micro), None)
+            got = self.arrival.pop((w, a), None)
             return None if got is None else max(start, got[0]) + self._cpu_s(got[1])
         if a.kind == START_SYNC:
             k = self.starts[w]
@@ -239,9 +240,9 @@ class _Sim:
             end = self.sync_end.get((s, self.waits[w]))
             return None if end is None else max(start, end)
         assert a.kind == UPDATE
-        return self._update_end(w, s, start)
+        return self._update_end(w, self.sched.stages_of(w) if a.stage is None else (s,), start)
 
-    def _update_end(self, w: int, s: int, start: float) -> float | None:
+    def _update_end(self, w: int, stages: tuple[int, ...], start: float) -> float | None:
         """An update, with the tied parameters' exchange: a borrower sends its gradient to the owner; the
         owner waits for every borrower's, steps, and sends each the new values."""
         k = self.updates[w]
@@ -254,7 +255,8 @@ class _Sim:
         for owner, nbytes in self.lenders.get(w, []):
             self.arrival[(owner, "TG", k, w)] = (self._send(w, owner, nbytes, start), nbytes)
             start += self._cpu_s(nbytes)
-        end = start + (self._compute_s(w, self.costs[s].update_s) if self.update_s is None else self.update_s[s])
+        end = start + sum(self._compute_s(w, self.costs[s].update_s) if self.update_s is None else self.update_s[s]
+                          for s in stages)
         for b, nbytes in self.borrowers.get(w, []):
             self.arrival[(b, "TV", k + 1, w)] = (self._send(w, b, nbytes, end), nbytes)
             end += self._cpu_s(nbytes)
@@ -321,7 +323,7 @@ class _Sim:
         elif a.kind in (BACKWARD, WEIGHT_GRAD):  # a split backward holds the activations until its W
             self.in_flight[w] -= 1
             if a.micro in (None, self.sched.microbatches - 1):
-                del self.versions[w][a.mb]
+                self.versions[w].pop(a.mb, None)  # a worker holding several stages: at the first
 
 
 def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], link: Link = Link(),
@@ -387,7 +389,8 @@ def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], li
         minibatches_per_s=rate, samples_per_s=rate * batch if batch > 0 else None,
         makespan_s=makespan, busy_fraction=busy, bubble_fraction=1.0 - sum(busy) / len(busy),
         peak_weight_versions=sim.peak_versions,
-        peak_activation_bytes=[p * scale[schedule.stage_of(w)] for w, p in enumerate(sim.peak_in_flight)],
+        peak_activation_bytes=[p * max(scale[s] for s in schedule.stages_of(w))
+                               for w, p in enumerate(sim.peak_in_flight)],
         trace=sim.trace)
 
 

@@ -107,8 +107,9 @@ def draw_timeline(traces: Traces, path: str | os.PathLike, title: str = "",
     """Draw one lane per worker, worker 0 on top, time in ms, and save it as a PNG.
 
     Forward and backward boxes (a split backward's input- and weight-gradient parts too) are coloured
-    differently and labelled with their minibatch id as in
-    the action text (0-based; ``3.1`` is minibatch 3's microbatch 1) where the box is wide enough.
+    differently and labelled with their minibatch id as in the action text (0-based; ``3.1`` is minibatch
+    3's microbatch 1, ``3.1s2`` that of stage 2 on a worker holding several stages) where the box is wide
+    enough.
     Sends, receives (including the wait for the message), gradient syncs and optimizer steps are
     thin bars at the bottom of the lane.
 
@@ -144,7 +145,7 @@ def draw_timeline(traces: Traces, path: str | os.PathLike, title: str = "",
             x, w = start * 1e3, (end - start) * 1e3
             if w > 0:  # zero-length records (a free send, a free optimizer step) draw nothing
                 bars[(r, a.kind)].append((x, w))
-            label = str(a.mb) if a.micro is None else f"{a.mb}.{a.micro}"
+            label = (str(a.mb) if a.micro is None else f"{a.mb}.{a.micro}") + ("" if a.stage is None else f"s{a.stage}")
             # label only boxes wider than the text (a character is ~0.6 em wide)
             if a.kind in _COMPUTE and w / span_ms * axes_in > len(label) * fontsize * 0.6 / 72 + 0.02:
                 ax.text(x + w / 2, r, label, ha="center", va="center", color="white", fontsize=fontsize)
@@ -215,15 +216,15 @@ def deliveries(traces: Traces, schedule: Schedule) -> list[float]:
         traces: per rank, the records of a run of ``schedule`` whose ranks share a clock (one host).
         schedule: what ran; it says which rank each send goes to.
     """
-    received: dict[tuple[int | None, str, int, int | None], tuple[float, float]] = {
-        (w, a.kind, a.mb, a.micro): (s, e) for w, t in enumerate(traces) for text, s, e in t
+    received: dict[tuple[int | None, Action], tuple[float, float]] = {
+        (w, a): (s, e) for w, t in enumerate(traces) for text, s, e in t
         if (a := Action.parse(text)).kind in SENDS.values()}
     out = []
     for w, t in enumerate(traces):
         for text, s, _ in t:
             a = Action.parse(text)
             if a.kind in SENDS:
-                recv = received.get((schedule.peer(w, a), SENDS[a.kind], a.mb, a.micro))
+                recv = received.get((schedule.peer(w, a), a.counterpart()))
                 if recv is not None and recv[0] < s:
                     out.append(recv[1] - s)
     return out

@@ -87,10 +87,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--straight", action="store_true", help="with --workers: one worker per stage")
     p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help=f"pipeline: {' | '.join(SCHEDULES)} (default "
                                                                    f"{DEFAULT_SCHEDULE})")
+    p.add_argument("--looped", type=int, default=None,
+                   help="interleaved-1f1b: the W workers the --stages go to round robin (stage s on s mod W)")
     p.add_argument("--minibatches", type=int, default=None,
                    help="minibatches to simulate (default 32, rounded up to a multiple of every stage's replicas)")
     p.add_argument("--microbatches", type=int, default=1,
-                   help="gpipe / 1f1b-flush / zero-bubble: slices per minibatch (default 1)")
+                   help="gpipe / 1f1b-flush / zero-bubble / interleaved-1f1b: slices per minibatch (default 1)")
     p.add_argument("--batch-size", type=int, default=None, help="default: the profile's")
     p.add_argument("--bandwidth", default="10Gbit", help="per link direction, e.g. 10Gbit, 1.25GB/s (default 10Gbit)")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer (per message)")
@@ -283,10 +285,14 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         boundaries, replicas = chosen.boundaries, chosen.replicas
     lcm = math.lcm(*replicas)
     minibatches = args.minibatches or -(-32 // lcm) * lcm
-    schedule = schedule_of(args.schedule, args.microbatches).build(replicas, minibatches)
+    chosen_schedule = schedule_of(args.schedule, args.microbatches)
+    if (args.looped is not None) != chosen_schedule.looped:
+        raise ValueError(f"--looped W goes with --stages and a schedule that places stages round robin "
+                         f"(interleaved-1f1b), not {args.schedule!r} alone; give both or neither")
+    schedule = chosen_schedule.placed(args.looped).build(replicas, minibatches)
     result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size,
                       update_s=args.update_s)
-    names = [f"worker {w} (stage {schedule.stage_of(w)})" for w in range(schedule.num_workers)]
+    names = [f"worker {w} (stage {', '.join(map(str, schedule.stages_of(w)))})" for w in range(schedule.num_workers)]
     if args.png:
         draw_timeline(result.trace, args.png, names=names,
                       title=f"{args.schedule}, stages {boundaries}, replicas {replicas}: simulated")

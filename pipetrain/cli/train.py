@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--plan", help="pipeline: 'auto' (profile, then plan for --workers) or a plan JSON from "
                                       "`pipetrain plan`")
     p.add_argument("--workers", type=int, default=None, help="data parallel: the workers; pipeline: workers to plan "
-                                                             "for (--plan auto), checked against a plan file")
+                                                             "for (--plan auto), checked against a plan file; "
+                                                             "interleaved-1f1b: the workers --stages loop over")
     p.add_argument("--bandwidth", default=None, help="link speed --plan auto assumes, e.g. 1Gbit (default 10Gbit)")
     p.add_argument("--loss", required=True,
                    help="torch.nn.functional name (cross_entropy, mse_loss) or MODULE:FUNCTION")
@@ -82,7 +83,7 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help="pipedream: every stage uses the input stage's weight version")
     p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update of the whole job")
     p.add_argument("--microbatches", type=int, default=1,
-                   help="pipeline, gpipe / 1f1b-flush / zero-bubble: slices per minibatch")
+                   help="pipeline, gpipe / 1f1b-flush / zero-bubble / interleaved-1f1b: slices per minibatch")
     p.add_argument("--staleness", type=int, default=None,
                    help="pipe-sgd: K, the minibatches a gradient is applied after (default 2; 1 is synchronous)")
     p.add_argument("--compression", default=None,

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from pipetrain.batches import epoch_order, per_epoch, to_device
 from pipetrain.config import JobConfig
 from pipetrain.layers import LayeredModel
-from pipetrain.runtime import checkpoint
+from pipetrain.runtime import checkpoint, multi
 from pipetrain.runtime.dist import init_distributed, wire_device
 from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.tied import TiedCopies
@@ -33,7 +33,7 @@ from pipetrain.runtime.loader import Inline, Loaders, Recipe
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, append_json
-from pipetrain.schedule import evaluation
+from pipetrain.schedule import evaluation, interleaved
 from pipetrain.strategies.base import GradSync, SyncContext
 
 
@@ -59,7 +59,7 @@ def run_rank(cfg: JobConfig, start: Start) -> dict[str, Any]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     prepare_process(cfg)
     device = init_distributed(cfg.run.timeout, cfg.run.backend)
-    result = _train(cfg, start, rank, world, device)
+    result = (_train_looped if cfg.looped else _train)(cfg, start, rank, world, device)
     # only after success: teardown with a dead peer can block, and on failure the launcher
     # (ours or torchrun) stops every process anyway
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":
@@ -139,7 +139,6 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
     sync = cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
     worker, stage = build_worker(cfg, rank, device, transport, sync, start)
     ready = time.perf_counter()
-    optimizer, policy = worker.optimizer, worker.policy
     if cfg.run.loader_workers and layout.stage_of(rank) in (0, layout.num_stages - 1):  # a middle stage reads no data
         worker.source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch,
                                 cfg.run.timeout, pin=device.type == "cuda")
@@ -171,12 +170,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
             if bar:
                 bar.write(f"epoch {epoch}: held-out " + ", ".join(f"{name} {v:.4g}" for name, v in scores.items()))
         if cfg.run.checkpoint_dir:
-            checkpoint.save(cfg.run.checkpoint_dir, rank, epoch, {
-                "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
-                "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else {},
-                "epoch": epoch, "version": policy.version, "rng": _rng(device),
-                "history": [asdict(h) for h in worker.history] if layout.reporter(rank) else []},
-                cfg.identity(), keep=cfg.run.keep_checkpoints)
+            _save(cfg, rank, epoch, worker, stage, device)
     if bar:
         bar.close()
     worker.source.close()
@@ -192,14 +186,72 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
               "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
               "sync_stats": sync.stats() if sync else {}, "ready": ready,
               "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
-    if os.environ.get("PIPETRAIN_SPAWNED") != "1":  # torchrun: every rank gets every rank's part
+    return _shared(result, world)
+
+
+def _save(cfg: JobConfig, rank: int, epoch: int, worker: Worker, stage: nn.Module, device: torch.device) -> None:
+    """Checkpoint ``rank``'s worker (of a looped schedule: the stage's, ``rank`` being the stage) after ``epoch``."""
+    assert cfg.run.checkpoint_dir is not None
+    optimizer = worker.optimizer
+    checkpoint.save(cfg.run.checkpoint_dir, rank, epoch, {
+        "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
+        "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else {},
+        "epoch": epoch, "version": worker.policy.version, "rng": _rng(device),
+        "history": [asdict(h) for h in worker.history] if cfg.layout.reporter(rank) else []},
+        cfg.identity(), keep=cfg.run.keep_checkpoints)
+
+
+def _shared(result: dict[str, Any], world: int) -> dict[str, Any]:
+    """This rank's part; under torchrun every rank gets every rank's part."""
+    if os.environ.get("PIPETRAIN_SPAWNED") != "1":
         parts: list[Any] = [None] * world
         dist.all_gather_object(parts, result)
         return {"parts": parts}
     return result
 
 
-def _evaluate(cfg: JobConfig, worker: Worker, epoch: int, device: torch.device, step: int) -> dict[str, float]:
+def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """A rank of a looped schedule (``interleaved-1f1b``): a Worker per stage it holds (stage s on rank
+    s mod W, each built as if it were rank s of a straight pipeline), run by
+    :class:`~pipetrain.runtime.multi.LocalStages` in the order of the rank's one action list."""
+    t, stages = cfg.training, cfg.layout.num_stages
+    transport = Transport(rank, multi.edges(stages, world), cfg.worker_name, device, cfg.run.timeout)
+    workers: dict[int, Worker] = {}
+    modules: dict[int, nn.Module] = {}
+    for s in range(rank, stages, world):
+        workers[s], modules[s] = build_worker(cfg, s, device, multi.StageChannel(transport, s, world), None, start)
+        workers[s].name, workers[s].trace = f"stage {s} (rank {rank})", None
+        if cfg.run.loader_workers and s in (0, stages - 1):
+            workers[s].source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
+                                        pin=device.type == "cuda")
+    ready = time.perf_counter()
+    local = multi.LocalStages(rank, workers, [] if cfg.run.trace else None)
+    k = per_epoch(t.items, t.batch_size, 1)
+    bar = _progress(cfg, rank, (t.epochs - start.first_epoch) * k)
+    on_step = (lambda rec: bar.set_postfix(loss=f"{rec.loss:.4f}", refresh=False) or bar.update(1)) if bar else None
+    for epoch in range(start.first_epoch, t.epochs):
+        batches = epoch_order(t.items, t.batch_size, epoch, t.shuffle, t.seed, 1)
+        local.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
+        if t.eval_dataset is not None:
+            scores = _evaluate(cfg, local, epoch, device, (epoch + 1) * k)
+            if bar:
+                bar.write(f"epoch {epoch}: held-out " + ", ".join(f"{name} {v:.4g}" for name, v in scores.items()))
+        for s, worker in workers.items() if cfg.run.checkpoint_dir else ():
+            _save(cfg, s, epoch, worker, modules[s], device)
+    if bar:
+        bar.close()
+    for worker in workers.values():
+        worker.source.close()
+    transport.close()
+    return _shared({"rank": rank, "digest": None, "ready": ready, "history": [asdict(h) for h in local.history],
+                    "trace": local.trace or [],
+                    "state": {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()},
+                    "bytes_sent": transport.bytes_sent, "sync_stats": {},
+                    "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, world)
+
+
+def _evaluate(cfg: JobConfig, worker: Worker | multi.LocalStages, epoch: int, device: torch.device,
+              step: int) -> dict[str, float]:
     """Evaluate on the job's ``eval_dataset`` at the end of ``epoch`` (every rank takes part): whole minibatches
     in dataset order, forward only through the stages (each replica its round-robin share; data
     parallelism: each worker its shard). Returns the means over the samples of the loss and each metric,
@@ -209,7 +261,8 @@ def _evaluate(cfg: JobConfig, worker: Worker, epoch: int, device: torch.device, 
     metrics = t.metrics or {}
     n_items = len(t.eval_dataset)  # type: ignore[arg-type]
     batches = epoch_order(n_items, t.batch_size, 0, False, 0, 1)
-    schedule = evaluation(cfg.layout.replicas, len(batches), cfg.data_parallel)
+    schedule = interleaved.evaluation(cfg.world, cfg.layout.num_stages, len(batches)) if cfg.looped else \
+        evaluation(cfg.layout.replicas, len(batches), cfg.data_parallel)
     sums = torch.tensor(worker.evaluate(schedule, batches, metrics), dtype=torch.float64,
                         device=device)
     dist.all_reduce(sums)  # the output stage's sums (every data-parallel worker's shards) reach every rank

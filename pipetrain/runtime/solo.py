@@ -59,10 +59,13 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
         (``time.perf_counter`` seconds), as ``pipetrain.train(..., trace=True)`` returns per rank.
 
     Raises:
-        ValueError: the plan is not resolved, or ``stage``, ``replica`` or ``minibatches`` are outside
-            the job.
+        ValueError: the plan is not resolved, the schedule holds several stages per worker, or ``stage``,
+            ``replica`` or ``minibatches`` are outside the job.
     """
     t, layout = cfg.training, cfg.layout
+    if cfg.looped:
+        raise ValueError("a schedule of several stages per worker does not run a stage alone; time it under one of "
+                         "one stage per worker, e.g. '1f1b-flush'")
     if not 0 <= stage < layout.num_stages or not 0 <= replica < layout.replicas[stage]:
         raise ValueError(f"stage {stage} replica {replica} is not in this job (workers per stage: "
                          f"{list(layout.replicas)})")

@@ -7,11 +7,13 @@ thread works; the compute thread only enqueues sends and picks up what has arriv
 
 Each message is a fixed-size int64 header, then the tensors::
 
-    [mb, micro, version, is_tuple, n, channel, dtype_0, ndim_0, *shape_0, dtype_1, ...]
+    [mb, micro, version, is_tuple, n, channel, cut, dtype_0, ndim_0, *shape_0, dtype_1, ...]
 
 so shapes and dtypes cross with the data and no stage needs a shape spec. ``n == -1`` closes the edge.
 ``channel`` keeps apart what one edge carries: a cut's activations or gradients (0), or the tied
-parameters' gradients and values (:mod:`pipetrain.runtime.tied`).
+parameters' gradients and values (:mod:`pipetrain.runtime.tied`). ``cut`` names the stage boundary a
+message crosses where a worker holds several stages (-1 otherwise): one edge then carries several
+cuts (:mod:`pipetrain.runtime.multi`).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class Message:
     tensors: list[torch.Tensor]
     is_tuple: bool
     channel: int = 0
+    cut: int = -1
 
 
 def _encode(msg: Message | None, device: torch.device) -> torch.Tensor:
@@ -55,7 +58,7 @@ def _encode(msg: Message | None, device: torch.device) -> torch.Tensor:
         head[4] = _CLOSE
         return head.to(device)
     vals = [msg.mb, -1 if msg.micro is None else msg.micro, msg.version, int(msg.is_tuple), len(msg.tensors),
-            msg.channel]
+            msg.channel, msg.cut]
     for t in msg.tensors:
         vals += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
     if len(vals) > HEADER_LEN:
@@ -64,14 +67,14 @@ def _encode(msg: Message | None, device: torch.device) -> torch.Tensor:
     return head.to(device)
 
 
-def _decode(head: torch.Tensor) -> tuple[int, int | None, int, bool, int, list[tuple[torch.dtype, list[int]]]]:
+def _decode(head: torch.Tensor) -> tuple[int, int | None, int, bool, int, int, list[tuple[torch.dtype, list[int]]]]:
     h = head.tolist()
-    specs, i = [], 6
+    specs, i = [], 7
     for _ in range(max(h[4], 0)):
         dtype, ndim = _DTYPES[h[i]], h[i + 1]
         specs.append((dtype, h[i + 2:i + 2 + ndim]))
         i += 2 + ndim
-    return h[0], None if h[1] < 0 else h[1], h[2], bool(h[3]), h[5], specs if h[4] >= 0 else None  # type: ignore[return-value]
+    return h[0], None if h[1] < 0 else h[1], h[2], bool(h[3]), h[5], h[6], specs if h[4] >= 0 else None  # type: ignore[return-value]
 
 
 class Channel(Protocol):
@@ -101,7 +104,7 @@ class Transport:
         self.rank, self.device, self.timeout, self.describe = rank, device, timeout, describe
         self._groups = {e: dist.new_group(list(e)) for e in sorted(edges)}
         self.wire = wire_device(device)  # where the backend takes the tensors from and puts them
-        self._inbox: dict[tuple[int, int, int, int | None], Message] = {}
+        self._inbox: dict[tuple[int, int, int, int, int | None], Message] = {}
         self._cond = threading.Condition()
         self._errors: dict[int, BaseException] = {}
         self._closed: set[int] = set()
@@ -140,7 +143,7 @@ class Transport:
             while True:
                 head = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
                 dist.recv(head, peer, group=group)
-                mb, micro, version, is_tuple, channel, specs = _decode(head.cpu())
+                mb, micro, version, is_tuple, channel, cut, specs = _decode(head.cpu())
                 if specs is None:
                     with self._cond:
                         self._closed.add(peer)
@@ -152,7 +155,8 @@ class Transport:
                     dist.recv(t, peer, group=group)
                     tensors.append(t.to(self.device))
                 with self._cond:
-                    self._inbox[(peer, channel, mb, micro)] = Message(mb, micro, version, tensors, is_tuple, channel)
+                    self._inbox[(peer, channel, cut, mb, micro)] = Message(mb, micro, version, tensors, is_tuple, channel,
+                                                                           cut)
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001
             with self._cond:
@@ -165,16 +169,16 @@ class Transport:
             self._raise(peer, f"sending minibatch {msg.mb}")
         tensors = [t.detach().contiguous() for t in msg.tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        self._out[peer].put(Message(msg.mb, msg.micro, msg.version, tensors, msg.is_tuple, msg.channel))
+        self._out[peer].put(Message(msg.mb, msg.micro, msg.version, tensors, msg.is_tuple, msg.channel, msg.cut))
 
-    def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0) -> Message:
+    def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0, cut: int = -1) -> Message:
         """Wait for (mb, micro) from ``peer`` on ``channel`` (the cut's channel carries one kind per
-        edge: activations or gradients).
+        edge: activations or gradients; one per ``cut`` where a worker holds several stages).
 
         Raises:
             PeerError: the peer's connection broke, or nothing came within the timeout.
         """
-        key = (peer, channel, mb, micro)
+        key = (peer, channel, cut, mb, micro)
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while key not in self._inbox:

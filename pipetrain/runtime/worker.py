@@ -130,26 +130,44 @@ class Worker:
     def run_epoch(self, schedule: Schedule, epoch: int, batches: list[list[int]], mb_offset: int,
                   on_step: Callable[[StepRecord], None] | None = None) -> None:
         """Execute this worker's actions for one epoch; minibatch ids are local to the epoch."""
+        self.begin_epoch(schedule, epoch, batches, mb_offset)
+        for action in schedule.actions[self.rank]:
+            self.step(action, on_step)
+        if self.tied is not None:
+            self.tied.finish(self.policy.version)
+
+    def begin_epoch(self, schedule: Schedule, epoch: int, batches: list[list[int]], mb_offset: int) -> None:
+        """Get ready to run ``schedule``'s actions of this worker for one epoch, one :meth:`step` each."""
         self._sched, self._batches, self._epoch, self._offset = schedule, batches, epoch, mb_offset
         stage_idx = schedule.stage_of(self.rank)
         self._first, self._last = stage_idx == 0, stage_idx == schedule.num_stages - 1
         self.source.begin(self._tasks(schedule, batches, epoch, False))
         self._last_step_t = time.perf_counter()
-        for action in schedule.actions[self.rank]:
-            t0 = time.perf_counter()
-            self._do(action)
-            if self.trace is not None:
-                self.trace.append((str(action), t0, time.perf_counter()))
-            if action.kind == "U" and self._last and on_step is not None:
-                on_step(self.history[-1])
-        if self.tied is not None:
-            self.tied.finish(self.policy.version)
+
+    def step(self, action: Action, on_step: Callable[[StepRecord], None] | None = None) -> None:
+        """Execute one action of the epoch :meth:`begin_epoch` began."""
+        t0 = time.perf_counter()
+        self._do(action)
+        if self.trace is not None:
+            self.trace.append((str(action), t0, time.perf_counter()))
+        if action.kind == "U" and self._last and on_step is not None:
+            on_step(self.history[-1])
 
     def evaluate(self, schedule: Schedule, batches: list[list[int]],
                  metrics: dict[str, Callable[[Any, Any], Any]]) -> list[float]:
         """Run a forward-only ``schedule`` over ``batches`` of the evaluation dataset with the live
         weights, in eval mode and without gradients; return this worker's sums over its samples of the
         loss and of each metric, then its sample count (zeros but at the output stage)."""
+        with self.evaluating(schedule, batches, metrics) as scores:
+            for action in schedule.actions[self.rank]:
+                self._do(action)
+        return scores
+
+    @contextlib.contextmanager
+    def evaluating(self, schedule: Schedule, batches: list[list[int]],
+                   metrics: dict[str, Callable[[Any, Any], Any]]) -> Iterator[list[float]]:
+        """Inside it, :meth:`step` runs ``schedule``'s evaluation actions as :meth:`evaluate` does; it
+        yields the sums, filled in as they run."""
         saved = (self._sched, self._batches, self._collated)
         self._sched, self._batches, self._collated = schedule, batches, {}
         self._first, self._last = schedule.stage_of(self.rank) == 0, schedule.stage_of(self.rank) == schedule.num_stages - 1
@@ -159,9 +177,7 @@ class Worker:
         self.stage.eval()
         try:
             with torch.no_grad():
-                for action in schedule.actions[self.rank]:
-                    self._do(action)
-            return self._scores
+                yield self._scores
         finally:
             self.stage.train(was_training)
             self._sched, self._batches, self._collated = saved

@@ -19,6 +19,10 @@ Text form of one action (minibatch ids are 0-based; ``.k`` names microbatch k):
 ``U3``   optimizer step, the last minibatch it includes being 3
 =======  =================================================================
 
+Where a worker holds several stages (interleaved schedules, :attr:`Schedule.looped`), an action names
+its stage with ``s``: ``F3.1s2`` is stage 2's forward of minibatch 3's microbatch 1; an update without
+one (``U3``) steps every stage the worker holds.
+
 A schedule is built in three passes (see :mod:`pipetrain.schedule.generators`): the compute order
 (``F``/``B`` per worker, or ``F``/``I``/``W`` where the backward is split), the point-to-point pass
 (``RF``/``SF``/``RB``/``SB``), then a sync pass owned by the strategy (``A``/``S``/``U``).
@@ -38,32 +42,45 @@ KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECV_ACT, SEND_ACT, RECV_GR
          UPDATE)
 SENDS = {SEND_ACT: RECV_ACT, SEND_GRAD: RECV_GRAD}
 
-_TEXT = re.compile(r"^(RF|SF|RB|SB|F|B|I|W|A|S|U)(\d+)(?:\.(\d+))?$")
+_TEXT = re.compile(r"^(RF|SF|RB|SB|F|B|I|W|A|S|U)(\d+)(?:\.(\d+))?(?:s(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One step of one worker: ``kind`` of minibatch ``mb`` (microbatch ``micro`` when split)."""
+    """One step of one worker: ``kind`` of minibatch ``mb`` (microbatch ``micro`` when split), of
+    ``stage`` where the worker holds several (None: its only stage, or every stage for an update)."""
 
     kind: str
     mb: int
     micro: int | None = None
+    stage: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.mb}" + ("" if self.micro is None else f".{self.micro}")
+        return f"{self.kind}{self.mb}" + ("" if self.micro is None else f".{self.micro}") + \
+            ("" if self.stage is None else f"s{self.stage}")
 
     @staticmethod
     def parse(text: str) -> "Action":
-        """Inverse of ``str(action)``: ``Action.parse("F3.1") == Action("F", 3, 1)``."""
+        """Inverse of ``str(action)``: ``Action.parse("F3.1s2") == Action("F", 3, 1, 2)``."""
         m = _TEXT.match(text.strip())
         if not m:
-            raise ValueError(f"cannot parse action {text!r}; expected e.g. F3, B3.1, RF2, U4")
-        kind, mb, micro = m.groups()
-        return Action(kind, int(mb), None if micro is None else int(micro))
+            raise ValueError(f"cannot parse action {text!r}; expected e.g. F3, B3.1, RF2, U4, F3.1s2")
+        kind, mb, micro, stage = m.groups()
+        return Action(kind, int(mb), None if micro is None else int(micro), None if stage is None else int(stage))
+
+    def counterpart(self) -> "Action":
+        """The action a send or receive pairs with on its peer: ``SF3s1`` with ``RF3s2``, ``RB3s1`` with ``SB3s2``."""
+        kind = {SEND_ACT: RECV_ACT, RECV_ACT: SEND_ACT, SEND_GRAD: RECV_GRAD, RECV_GRAD: SEND_GRAD}[self.kind]
+        step = 1 if self.kind in (SEND_ACT, RECV_GRAD) else -1
+        return Action(kind, self.mb, self.micro, None if self.stage is None else self.stage + step)
+
+    def local(self) -> "Action":
+        """This action as its stage's own worker names it (without the stage)."""
+        return Action(self.kind, self.mb, self.micro)
 
 
 @dataclass(frozen=True)
@@ -80,7 +97,10 @@ class Schedule:
             1/r share of the samples, instead of replica ``mb mod r`` running the whole minibatch.
         stashes: a stage keeps a weight version per minibatch in flight (weight stashing, PipeDream
             §3.4): what the simulator prices the copy of a new version for.
-        layout: the ranks of each stage (:class:`pipetrain.layout.Layout`).
+        looped: None: each worker holds one stage (a replica of it); W: ``W`` workers hold the stages
+            round robin, stage s on worker s mod W (interleaved schedules), and actions name their stage.
+        layout: the ranks of each stage (:class:`pipetrain.layout.Layout`); with ``looped``, of the
+            stages as if each had a worker of its own.
     """
 
     name: str
@@ -90,12 +110,16 @@ class Schedule:
     noam: int = 1
     sharded: bool = False
     stashes: bool = False
+    looped: int | None = None
     layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", Layout(self.replicas, sharded=self.sharded))
-        if len(self.actions) != self.layout.world:
-            raise ValueError(f"{len(self.actions)} action lists for {self.layout.world} workers")
+        if self.looped is not None and (self.looped < 1 or any(r != 1 for r in self.replicas)):
+            raise ValueError(f"looped={self.looped}: stages placed round robin need one replica each and a "
+                             "worker count of at least 1")
+        if len(self.actions) != self.num_workers:
+            raise ValueError(f"{len(self.actions)} action lists for {self.num_workers} workers")
 
     @property
     def num_stages(self) -> int:
@@ -103,20 +127,33 @@ class Schedule:
 
     @property
     def num_workers(self) -> int:
-        return self.layout.world
+        return self.layout.world if self.looped is None else self.looped
 
     def stage_of(self, worker: int) -> int:
+        """The stage of ``worker``, which holds one (see :meth:`stages_of` for a looped schedule)."""
+        if self.looped is not None:
+            raise ValueError(f"worker {worker} holds stages {list(self.stages_of(worker))}; ask stages_of")
         return self.layout.stage_of(worker)
 
+    def stages_of(self, worker: int) -> tuple[int, ...]:
+        """The stages ``worker`` holds, in order."""
+        if self.looped is None:
+            return (self.layout.stage_of(worker),)
+        return tuple(range(worker, self.num_stages, self.looped))
+
+    def stage_at(self, worker: int, action: Action) -> int:
+        """The stage ``action`` of ``worker`` belongs to (a stageless update: the worker's first)."""
+        return self.stages_of(worker)[0] if action.stage is None else action.stage
+
     def first_worker(self, stage: int) -> int:
-        return self.layout.first_rank(stage)
+        return self.layout.first_rank(stage) if self.looped is None else stage % self.looped
 
     def worker_for(self, stage: int, mb: int) -> int:
-        return self.layout.worker_for(stage, mb)
+        return self.layout.worker_for(stage, mb) if self.looped is None else stage % self.looped
 
     def peer(self, worker: int, action: Action) -> int | None:
         """The worker on the other end of a send or receive action, else None."""
-        stage = self.stage_of(worker)
+        stage = self.stage_at(worker, action)
         if action.kind in (RECV_ACT, SEND_GRAD):
             return self.worker_for(stage - 1, action.mb)
         if action.kind in (SEND_ACT, RECV_GRAD):
@@ -127,7 +164,7 @@ class Schedule:
         """One line per worker, e.g. ``w0: F0 SF0 F1 SF1 RB0 B0 U0 ...``; round-trips with from_text."""
         head = f"# {self.name} replicas={','.join(map(str, self.replicas))} " \
                f"microbatches={self.microbatches} noam={self.noam} sharded={int(self.sharded)} " \
-               f"stashes={int(self.stashes)}"
+               f"stashes={int(self.stashes)}" + ("" if self.looped is None else f" looped={self.looped}")
         rows = [f"w{w}: " + " ".join(map(str, acts)) for w, acts in enumerate(self.actions)]
         return "\n".join([head, *rows])
 
@@ -139,4 +176,5 @@ class Schedule:
         actions = tuple(tuple(Action.parse(a) for a in ln.split(":", 1)[1].split()) for ln in lines[1:])
         return Schedule(name, tuple(int(r) for r in head["replicas"].split(",")), actions,
                         int(head["microbatches"]), int(head["noam"]), bool(int(head.get("sharded", "0"))),
-                        bool(int(head.get("stashes", "0"))))
+                        bool(int(head.get("stashes", "0"))),
+                        int(head["looped"]) if "looped" in head else None)

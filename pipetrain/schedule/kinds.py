@@ -7,11 +7,12 @@ its weight policy, whether stages may be replicated); its options (``GPipe(micro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from pipetrain.layout import Layout
 from pipetrain.schedule import generators as gen
+from pipetrain.schedule import interleaved
 from pipetrain.schedule.actions import Schedule
 
 
@@ -30,6 +31,7 @@ class PipelineSchedule:
         flush: one update per minibatch after its last microbatch, no minibatch in flight across an
             update (live weights); else an update after every backward (1F1B with weight versions).
         replicable: stages may be replicated (round robin over replicas).
+        looped: its workers hold several stages each, round robin (``workers=W`` beside ``stages``).
         weights: the run-time weight policy (:data:`pipetrain.runtime.weights.POLICIES`).
         summary: one line for help texts.
     """
@@ -37,6 +39,7 @@ class PipelineSchedule:
     name: ClassVar[str]
     flush: ClassVar[bool]
     replicable: ClassVar[bool] = False
+    looped: ClassVar[bool] = False
     weights: ClassVar[str] = "live"
     summary: ClassVar[str]
 
@@ -76,6 +79,14 @@ class PipelineSchedule:
         if not self.replicable and any(r != 1 for r in layout.replicas):
             raise ValueError(f"schedule {self.name!r} runs straight pipelines only (one worker per stage); "
                              f"use 'pipedream' for replicated stages {list(layout.replicas)}")
+
+    def world(self, layout: Layout) -> int:
+        """The workers that run ``layout``'s stages."""
+        return layout.world
+
+    def placed(self, workers: int | None) -> PipelineSchedule:
+        """This schedule for ``workers`` workers (``pipetrain.train``'s), where it places stages itself."""
+        return self
 
     def policy(self, layout: Layout, stage: int) -> str:
         """The weight policy of ``stage``'s workers (:data:`pipetrain.runtime.weights.POLICIES`)."""
@@ -191,3 +202,54 @@ class ModelParallel(PipelineSchedule):
 
     def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
         return gen.model_parallel_order(replicas, minibatches)
+
+
+@dataclass(frozen=True)
+class Interleaved1F1B(_Microbatched):
+    """Interleaved 1F1B (Megatron-LM's virtual stages): ``workers`` workers hold the stages round robin,
+    1F1B over each minibatch's microbatches, then one update (:mod:`pipetrain.schedule.interleaved`).
+
+    Args:
+        workers: the workers W; the stages (a multiple of W) go to worker s mod W. ``pipetrain.train``
+            fills it from its ``workers``.
+    """
+
+    name: ClassVar[str] = "interleaved-1f1b"
+    flush: ClassVar[bool] = True
+    looped: ClassVar[bool] = True
+    summary: ClassVar[str] = "several stages per worker, round robin; 1F1B over microbatches, then one update"
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.workers is not None:
+            check_count(self.workers, "workers", 2)
+
+    def world(self, layout: Layout) -> int:
+        return self._workers()
+
+    def placed(self, workers: int | None) -> Interleaved1F1B:
+        if workers is not None and self.workers is not None and workers != self.workers:
+            raise ValueError(f"workers={workers} but the schedule says workers={self.workers}; give one of them")
+        return self if workers is None else replace(self, workers=workers)
+
+    def _workers(self) -> int:
+        if self.workers is None:
+            raise ValueError("interleaved-1f1b needs workers=W: the stages (a multiple of W) are placed round robin "
+                             "on W workers")
+        return self.workers
+
+    def check_layout(self, layout: Layout) -> None:
+        super().check_layout(layout)
+        interleaved.check(self._workers(), layout.num_stages, self.microbatches)
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return interleaved.order(self._workers(), len(replicas), minibatches, self.microbatches)
+
+    def build(self, replicas: Sequence[int], minibatches: int) -> Schedule:
+        self.check_layout(Layout(tuple(replicas)))
+        if minibatches < 0:
+            raise ValueError(f"need minibatches >= 0, got {minibatches}")
+        lists = interleaved.p2p_pass(len(replicas), self.order(replicas, minibatches))
+        return Schedule(self.name, tuple(replicas), tuple(map(tuple, lists)), self.microbatches,
+                        gen.noam(replicas), looped=self._workers())

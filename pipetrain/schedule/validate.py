@@ -28,23 +28,23 @@ def _grid(schedule: Schedule, pos: list[int], width: int = 12) -> str:
     for w, acts in enumerate(schedule.actions):
         lo = max(0, pos[w] - width // 2)
         cells = [f"[{a}]" if i == pos[w] else str(a) for i, a in enumerate(acts[lo:lo + width], lo)]
-        rows.append(f"  w{w} (stage {schedule.stage_of(w)}) @{pos[w]:>3}: " + " ".join(cells))
+        stages = ",".join(map(str, schedule.stages_of(w)))
+        rows.append(f"  w{w} (stage{'s' * (',' in stages)} {stages}) @{pos[w]:>3}: " + " ".join(cells))
     return "\n".join(rows)
 
 
 def _check_matching(schedule: Schedule) -> None:
-    sent: dict[tuple[int, int, str, int, int | None], int] = defaultdict(int)
+    sent: dict[tuple[int, int | None, Action], int] = defaultdict(int)  # (sender, receiver, receive)
     for w, acts in enumerate(schedule.actions):
         for a in acts:
             peer = schedule.peer(w, a)
             if a.kind in SENDS:
-                sent[(w, peer, SENDS[a.kind], a.mb, a.micro)] += 1  # type: ignore[index]
+                sent[(w, peer, a.counterpart())] += 1
             elif peer is not None:
-                sent[(peer, w, a.kind, a.mb, a.micro)] -= 1
+                sent[(peer, w, a)] -= 1
     bad = [k for k, v in sent.items() if v != 0]
     if bad:
-        src, dst, kind, mb, micro = bad[0]
-        what = Action(kind, mb, micro)
+        src, dst, what = bad[0]
         raise ScheduleError(f"schedule {schedule.name!r}: {what} between w{src} and w{dst} has a send "
                             f"without a receive or a receive without a send ({len(bad)} such)")
 
@@ -53,7 +53,7 @@ def _check_syncs(schedule: Schedule) -> None:
     """Every worker of a stage starts as many syncs (the same minibatches' syncs, in the same order,
     when the stage is sharded; a replicated pipeline stage syncs replica i's k-th minibatch with the
     other replicas' k-th), and waits for each once, after starting it, in the order it started them."""
-    for s in range(schedule.num_stages):
+    for s in range(schedule.num_stages if schedule.looped is None else 0):  # a looped schedule has no replicas
         first = schedule.first_worker(s)
         orders = []
         for w in range(first, first + schedule.replicas[s]):
@@ -110,7 +110,7 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
     Returns:
         ``{"steps": [...], "peak_in_flight": [...]}``: the number of unit-time rounds each worker
         was active until done, and the most minibatches each worker held between the forward of their
-        first microbatch and the backward (its ``W`` when split) of their last.
+        first microbatch and the backward (its ``W`` when split) of their last (counted per stage it holds).
     """
     _check_matching(schedule)
     _check_syncs(schedule)
@@ -120,7 +120,7 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
     done: set[tuple[int, Action]] = set()
     starts: dict[int, int] = defaultdict(int)  # worker -> A actions done
     waits: dict[int, int] = defaultdict(int)  # worker -> S actions done
-    in_flight = [set() for _ in acts]  # type: list[set[int]]
+    in_flight = [set() for _ in acts]  # type: list[set[tuple[int, int | None]]]
     peak = [0] * schedule.num_workers
     steps = [0] * schedule.num_workers
     t = 0
@@ -132,8 +132,7 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
                 continue
             a = a_list[pos[w]]
             if a.kind in (RECV_ACT, RECV_GRAD):
-                send_kind = "SF" if a.kind == RECV_ACT else "SB"
-                if (schedule.peer(w, a), Action(send_kind, a.mb, a.micro)) not in done:
+                if (schedule.peer(w, a), a.counterpart()) not in done:
                     continue
             if a.kind == SYNC and not _sync_ready(schedule, w, starts, waits):
                 continue
@@ -150,8 +149,8 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
             if a.kind == SYNC:
                 waits[w] += 1
             if a.kind == FORWARD and a.micro in (None, 0):
-                in_flight[w].add(a.mb)
+                in_flight[w].add((a.mb, a.stage))
                 peak[w] = max(peak[w], len(in_flight[w]))
             if a.kind in (BACKWARD, WEIGHT_GRAD) and a.micro in (None, schedule.microbatches - 1):
-                in_flight[w].discard(a.mb)
+                in_flight[w].discard((a.mb, a.stage))
     return {"steps": steps, "peak_in_flight": peak}
