@@ -9,7 +9,7 @@ from pipetrain.cli import main
 from pipetrain.data import regression
 from pipetrain.planning.schedules import choose_schedule
 from pipetrain.profiling import LayerProfile, Profile
-from pipetrain.registry import GPipe, OneFOneBFlush
+from pipetrain.registry import GPipe, Interleaved1F1B, OneFOneBFlush
 from pipetrain.simulate import Link, simulate
 from pt_models import mlp
 
@@ -70,6 +70,20 @@ def test_a_memory_limit_leaves_out_what_does_not_fit_and_recomputation_can_bring
     assert rows(tight)["gpipe m=2 +recompute"].why.startswith("needs 4.77 MiB on a worker, over the limit 3.81 MiB")
     with pytest.raises(ValueError, match=r"^no schedule can run here: 1f1b-flush \+recompute: needs"):
         choose_schedule(profile, 2, "100Gbit", minibatches=8, memory=MB, schedules=["1f1b-flush"])
+
+
+def test_a_looped_schedule_is_priced_on_two_stages_per_worker():
+    """interleaved-1f1b on 2 workers runs 4 stages of one layer each, stage s on worker s mod 2: worker 0
+    holds the weights of stages 0 and 2, and its simulation is the looped schedule's own."""
+    layers = [LayerProfile(str(k), 0.010, 0.020, 2 * MB, MB, 0.001) for k in range(4)]
+    profile = Profile(layers, 8, "cpu", input_bytes=MB)
+    choice = choose_schedule(profile, 2, "100Gbit", minibatches=8, schedules=["interleaved-1f1b"])
+    row = rows(choice)["interleaved-1f1b m=2"]
+    assert row.config == "1-1-1-1" and not row.why
+    sim = simulate(Interleaved1F1B(microbatches=2, workers=2).build([1, 1, 1, 1], 8), profile, [0, 1, 2, 3],
+                   Link(100e9 / 8), 8)
+    assert row.samples_per_s == pytest.approx(8 * 8 / sim.makespan_s, rel=1e-12)
+    assert row.memory_bytes == pytest.approx(2 * MB + max(sim.peak_activation_bytes))
 
 
 def test_unknown_schedules_and_the_ablation_are_refused_or_never_picked():

@@ -77,14 +77,14 @@ class ScheduleChoice:
 
     def table(self) -> str:
         """The rows, fastest first, the choice marked, the rows left out last with their reason."""
-        head = f"{'schedule':<26} {'samples/s':>10} {'memory':>10}  plan"
+        head = f"{'schedule':<30} {'samples/s':>10} {'memory':>10}  plan"
         priced = sorted((r for r in self.rows if r.samples_per_s is not None), key=lambda r: -(r.samples_per_s or 0))
         lines = [head]
         for r in priced:
             mark = " <- " if r is self.chosen else "    "
             out = f" ({r.why})" if r.why else ""
-            lines.append(f"{r.label:<26} {r.samples_per_s:>10.1f} {format_bytes(r.memory_bytes):>10}{mark}{r.config}{out}")
-        lines += [f"{r.label:<26} {'-':>10} {'-':>10}    {r.why}" for r in self.rows if r.samples_per_s is None]
+            lines.append(f"{r.label:<30} {r.samples_per_s:>10.1f} {format_bytes(r.memory_bytes):>10}{mark}{r.config}{out}")
+        lines += [f"{r.label:<30} {'-':>10} {'-':>10}    {r.why}" for r in self.rows if r.samples_per_s is None]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,27 +117,34 @@ def recomputed(profile: Profile) -> Profile:
 
 def worker_memory(profile: Profile, chosen: Plan, schedule: PipelineSchedule, sim: SimResult, batch_size: int,
                   recompute: bool) -> list[float]:
-    """Bytes each worker holds at most in ``sim``: its stage's weights, one copy per stashed version
+    """Bytes each worker holds at most in ``sim``: its stages' weights, one copy per stashed version
     (schedules that stash), and the activations of its microbatches in flight; with ``recompute`` only
-    their inputs, plus one microbatch's activations while it is recomputed."""
+    their inputs, plus one microbatch's activations while it is recomputed. A worker holding several
+    stages is priced at the largest of them per microbatch in flight."""
     m = schedule.microbatches
     per_stage = stage_costs(profile, chosen.boundaries, batch_size)
     scale = batch_size / profile.batch_size if profile.batch_size else 1.0
-    firsts = list(chosen.boundaries)
-    out = []
-    workers = [s for s, r in enumerate(chosen.replicas) for _ in range(r)]
+    inputs = [scale * (profile.input_bytes if first == 0 else profile.layers[first - 1].activation_bytes)
+              for first in chosen.boundaries]
     layout = Layout(tuple(chosen.replicas))
-    for w, s in enumerate(workers):
-        c = per_stage[s]
-        versions = sim.peak_weight_versions[w] if schedule.policy(layout, s) in ("stash", "vertical") else 0
+    looped = len(sim.peak_activation_bytes)
+    held_by = [list(range(w, len(per_stage), looped)) for w in range(looped)] if schedule.looped else \
+        [[s] for s, r in enumerate(chosen.replicas) for _ in range(r)]
+    out = []
+    for w, stages in enumerate(held_by):
+        weights = sum(per_stage[s].parameter_bytes *
+                      (1 + (sim.peak_weight_versions[w] if schedule.policy(layout, s) in ("stash", "vertical") else 0))
+                      for s in stages)
         held = sim.peak_activation_bytes[w]
-        if recompute and c.stash_bytes > 0:
-            first = firsts[s]
-            inputs = scale * (profile.input_bytes if first == 0 else profile.layers[first - 1].activation_bytes)
-            in_flight = held / (c.stash_bytes / m)
-            held = in_flight * inputs / m + c.stash_bytes / m
-        out.append(c.parameter_bytes * (1 + versions) + held)
+        stash = max(per_stage[s].stash_bytes for s in stages) / m
+        if recompute and stash > 0:
+            held = held / stash * max(inputs[s] for s in stages) / m + stash
+        out.append(weights + held)
     return out
+
+
+STAGES_PER_WORKER = 2
+"""How many stages each worker holds when a looped schedule (``interleaved-1f1b``) is priced."""
 
 
 def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batch_size: int | None = None, *,
@@ -166,33 +173,39 @@ def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batc
         raise ValueError("the profile does not record its batch size; give batch_size")
     limit = None if memory is None else parse_bytes(memory, "memory")
     link = Link(parse_bandwidth(bandwidth)) if link is None else link
-    plans: dict[bool, Plan | str] = {}
+    plans: dict[tuple[bool, int], Plan | str] = {}
     rows: list[ScheduleRow] = []
     for name in names:
-        straight = not SCHEDULES[name].replicable
-        if straight not in plans:
-            try:
-                plans[straight] = plan(profile, workers, bandwidth, straight=straight)
+        key = _plan_key(name)
+        if key not in plans:
+            try:  # a looped schedule: a straight plan of its stages, as if each had a worker
+                plans[key] = plan(profile, workers * key[1], bandwidth, straight=key[0])
             except ValueError as e:
-                plans[straight] = str(e)
+                plans[key] = str(e)
         for m in microbatch_counts(name, batch, microbatches):
-            rows.append(_row(profile, name, m, plans[straight], link, batch, minibatches, limit))
+            rows.append(_row(profile, name, m, plans[key], workers, link, batch, minibatches, limit))
     fits = [i for i, r in enumerate(rows) if r.samples_per_s is not None and not r.why]
     if not fits:
         raise ValueError("no schedule can run here: " + "; ".join(f"{r.label}: {r.why}" for r in rows))
     best = max(fits, key=lambda i: rows[i].samples_per_s or 0.0)
-    chosen = plans[not SCHEDULES[rows[best].schedule].replicable]
+    chosen = plans[_plan_key(rows[best].schedule)]
     assert isinstance(chosen, Plan)
     return ScheduleChoice(rows, best, chosen, _reason(rows, best, limit))
 
 
-def _row(profile: Profile, name: str, m: int, chosen: Plan | str, link: Link, batch: int, minibatches: int,
-         limit: float | None) -> ScheduleRow:
+def _plan_key(name: str) -> tuple[bool, int]:
+    """Which plan ``name`` runs: (straight, stages per worker)."""
+    cls = SCHEDULES[name]
+    return (not cls.replicable, STAGES_PER_WORKER if cls.looped else 1)
+
+
+def _row(profile: Profile, name: str, m: int, chosen: Plan | str, workers: int, link: Link, batch: int,
+         minibatches: int, limit: float | None) -> ScheduleRow:
     """One row: priced as is, then with recomputation if it does not fit ``limit``."""
     if isinstance(chosen, str):
         return ScheduleRow(name, m, why=chosen)
     try:
-        schedule = _make(name, m)
+        schedule = _make(name, m).placed(workers)
         schedule.check_layout(Layout(tuple(chosen.replicas)))
     except ValueError as e:
         return ScheduleRow(name, m, config=chosen.config, why=str(e))
