@@ -37,7 +37,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           threads: int | None = None, trace: bool | str | os.PathLike = False, progress: bool = False,
           lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip_grad_norm: float | None = None,
           eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
-          precision: str = "fp32", log_dir: str | os.PathLike | None = None, backend: str = "auto",
+          precision: str = "fp32", recompute: bool = False, log_dir: str | os.PathLike | None = None, backend: str = "auto",
           loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
           collate_fn: Callable[[list[Any]], Any] | None = None) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
@@ -104,6 +104,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             :func:`pipetrain.accuracy`); needs ``eval_dataset``.
         precision: ``"fp32"`` (the model's own dtype) or ``"bf16"``: forwards and the loss run under
             autocast to bfloat16 (CPU and GPU); weights, gradients and updates stay in the model's dtype.
+        recompute: activation recomputation: a worker keeps only a microbatch's inputs between its forward
+            (run without gradients, its output sent on) and its backward, which first runs the forward
+            again with the same weights and random state; results are exactly those without it, for an
+            extra forward per microbatch (``result.stashed_bytes`` reports what is kept).
         log_dir: write ``metrics.jsonl`` there: one JSON line per update (``"kind": "update"``) and per
             evaluation (``"kind": "eval"``); ``pipetrain plot DIR`` draws it.
         target_key: with dictionary items, the entry handed to ``loss_fn`` as the target (default
@@ -132,7 +136,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
              "training again from epoch 0")
     training = Training(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch_size,
                         epochs=epochs, shuffle=shuffle, seed=seed, lr_scheduler=lr_scheduler,
-                        clip_grad_norm=clip_grad_norm, precision=precision, eval_dataset=eval_dataset,
+                        clip_grad_norm=clip_grad_norm, precision=precision, recompute=recompute,
+                        eval_dataset=eval_dataset,
                         metrics=metrics, target_key=target_key, collate_fn=collate_fn)
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,
@@ -234,7 +239,7 @@ def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
     if cfg.run.trace_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         what = f"{cfg.strategy.name}, {cfg.world} workers" if cfg.data_parallel else \
             f"{cfg.schedule.name if cfg.schedule else ''}, stages {list(cfg.layout.boundaries or ())}"
-        write_trace(result.traces, Path(cfg.run.trace_dir), name, what)
+        write_trace(result.traces, Path(cfg.run.trace_dir), name, what, result.memory_traces)
     return result
 
 

@@ -112,6 +112,9 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="scale gradients to this norm at most (data parallel: global; pipeline: per stage)")
     p.add_argument("--precision", default="fp32", help="fp32 or bf16 (autocast the forward and loss to bfloat16)")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each microbatch's stage inputs until its backward, which runs the forward again "
+                        "(same results, less memory, one more forward)")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto (NCCL when every worker has a GPU of its own, else gloo), gloo (workers may share a "
                         "GPU) or nccl")
@@ -143,7 +146,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
         metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
-        clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir, backend=args.backend,
+        clip_grad_norm=args.clip_grad_norm, precision=args.precision, recompute=args.recompute, log_dir=args.log_dir, backend=args.backend,
         loader_workers=args.loader_workers, prefetch=args.prefetch, target_key=_target_key(args.target_key),
         collate_fn=load_object(args.collate_fn) if args.collate_fn else None)
     for r in result.restarts:
