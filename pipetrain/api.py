@@ -18,6 +18,7 @@ from pipetrain.errors import PipetrainError, warn
 from pipetrain.layers import LayeredModel
 from pipetrain.layout import Layout
 from pipetrain.planning import Plan, check_fits
+from pipetrain.planning.units import parse_bytes
 from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strategy, as_schedule, as_strategy
 from pipetrain.result import TrainResult, gather, write_trace
 from pipetrain.runtime import checkpoint
@@ -31,7 +32,7 @@ Stages = Sequence[int | str] | Plan | str | os.PathLike
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
           optimizer: Callable[..., torch.optim.Optimizer], strategy: str | Strategy | Auto = "pipeline",
           schedule: str | PipelineSchedule | None = None, stages: Stages | None = None, workers: int | None = None,
-          bandwidth: float | str | None = None, batch_size: int = 32, epochs: int = 1, shuffle: bool = True,
+          bandwidth: float | str | None = None, memory_limit: float | str | None = None, batch_size: int = 32, epochs: int = 1, shuffle: bool = True,
           seed: int = 0, checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
           keep_checkpoints: int | None = 2, max_restarts: int = 0, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False, progress: bool = False,
@@ -70,6 +71,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             worker count for ``"auto"``; with a plan, it must match the plan's.
         bandwidth: link speed ``stages="auto"`` plans for (default 10 Gbit/s) and ``strategy="auto"``
             predicts at, bytes/s or a string such as ``"1Gbit"``.
+        memory_limit: with ``stages="auto"``, the bytes (or ``"16GiB"``) a worker may hold: the plan keeps
+            each stage's weights, stashed weight versions and stashed activations within it, as the
+            schedule and ``recompute`` keep them (:func:`pipetrain.costs.stage_memory_bytes`).
         batch_size: samples per minibatch (one optimizer update of the whole job).
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
@@ -149,6 +153,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     if workers is None and under_torchrun() and (isinstance(chosen, Auto) or chosen.data_parallel):
         workers = int(os.environ["WORLD_SIZE"])
     check_request(chosen, picked, stages, workers, bandwidth)
+    _check_memory_limit(memory_limit, stages)
     choice, phases = None, {}
     if isinstance(chosen, Auto):
         assert workers is not None
@@ -162,7 +167,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         picked = picked or as_schedule(DEFAULT_SCHEDULE)
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
         phases["capture_s"] = time.perf_counter() - started
-        plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases)
+        plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases, memory_limit)
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
         cfg = JobConfig(training, run, chosen, picked, layout, layers)
@@ -172,14 +177,25 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     return result
 
 
+def _check_memory_limit(memory_limit: float | str | None, stages: Any) -> None:
+    """``memory_limit`` is a size, and only given to plan with ``stages="auto"``; one line otherwise."""
+    if memory_limit is None:
+        return
+    if not (isinstance(stages, str) and stages == "auto"):
+        raise ValueError(f"memory_limit={memory_limit!r} is what stages='auto' plans within (CLI: --plan auto); drop "
+                         "it, or plan with `pipetrain plan --memory`")
+    parse_bytes(memory_limit, "memory_limit")
+
+
 def _plan(training: Training, run: RunOptions, schedule: PipelineSchedule, stages: Stages | None, workers: int | None,
-          bandwidth: float | str | None, num_layers: int, phases: dict[str, float]) -> tuple[Plan | None, float | None]:
+          bandwidth: float | str | None, num_layers: int, phases: dict[str, float],
+          memory_limit: float | str | None = None) -> tuple[Plan | None, float | None]:
     """The plan ``stages`` names (a Plan, a plan JSON path, or ``"auto"``: made here, its phases' seconds
     added to ``phases``), checked against the model's ``num_layers`` and the ``workers`` asked for, and its
     predicted samples/s; (None, None) for stages given as first layers."""
     if isinstance(stages, str) and stages == "auto":
         assert workers is not None
-        return auto.plan_stages(training, run, schedule, workers, bandwidth, phases)
+        return auto.plan_stages(training, run, schedule, workers, bandwidth, phases, memory_limit)
     if not isinstance(stages, (str, os.PathLike, Plan)):
         return None, None
     plan = stages if isinstance(stages, Plan) else Plan.load(stages)

@@ -5,6 +5,7 @@ Independent references: plain SGD and weight stashing from tests/test_runtime_ex
 model's reference from tests/test_tied.py.
 """
 import functools
+import json
 
 import pytest
 import torch
@@ -58,10 +59,10 @@ def test_recompute_gives_the_same_weights_with_dropout(schedule) -> None:
 
 
 @pytest.mark.multiprocess
-def test_recompute_keeps_less_and_reports_it() -> None:
+def test_recompute_keeps_less_and_reports_it(tmp_path) -> None:
     """GPipe with 4 microbatches: without recompute a stage keeps 4 microbatches' activations; with it,
     their inputs, and one microbatch's activations while it reruns."""
-    plain, again = train(pipetrain.GPipe(4), False), train(pipetrain.GPipe(4), True, trace=True)
+    plain, again = train(pipetrain.GPipe(4), False), train(pipetrain.GPipe(4), True, trace=tmp_path)
     assert_equal(again.model, plain.model)
     for full, kept in zip(plain.stashed_bytes, again.stashed_bytes):
         assert kept["activation_bytes"] < 0.4 * full["activation_bytes"]
@@ -74,6 +75,9 @@ def test_recompute_keeps_less_and_reports_it() -> None:
     assert again.stashed_bytes[1]["activation_bytes"] == 4 * rows * 4 * 8 + rerun
     samples = again.memory_traces[1]
     assert max(a for _, a, _ in samples) == again.stashed_bytes[1]["activation_bytes"] and samples[-1][1] == 0
+    counters = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "C"]
+    assert {e["pid"] for e in counters} == {0, 1} and all(e["name"] == "stashed bytes" for e in counters)
+    assert max(e["args"]["activations"] for e in counters if e["pid"] == 1) == again.stashed_bytes[1]["activation_bytes"]
 
 
 @pytest.mark.multiprocess
@@ -142,3 +146,28 @@ def test_the_schedules_count_what_they_hold() -> None:
     assert pipetrain.GPipe(4).in_flight(1, 2) == 4 and pipetrain.GPipe(4).weight_versions(1, 2) == 0
     assert pipetrain.OneFOneBFlush(4).in_flight(1, 2) == 2 and pipetrain.OneFOneBFlush(4).in_flight(1, 8) == 4
     assert pipetrain.ModelParallel().in_flight(1, 4) == 1
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(stages=[0, 4], memory_limit="1GiB"), r"^memory_limit='1GiB' is what stages='auto' plans within"),
+    (dict(stages="auto", workers=2, memory_limit="lots"), r"^cannot read memory_limit 'lots'; write it like 16GiB"),
+])
+def test_a_bad_memory_limit_is_one_line(kw, message) -> None:
+    with pytest.raises(ValueError, match=message) as e:
+        train("pipedream", False, **kw)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.multiprocess
+def test_an_automatic_plan_within_a_memory_limit_counts_recompute() -> None:
+    result = train("pipedream", True, stages="auto", workers=2, memory_limit="1GiB")
+    assert result.plan is not None and result.plan.options["recompute"] is True
+    assert result.plan.options["memory"] == 2**30
+
+
+def test_the_plan_command_takes_recompute(capsys, tmp_path) -> None:
+    from pipetrain.cli import main
+    path = tmp_path / "profile.json"
+    profile().save(path)
+    main(["plan", str(path), "--workers", "2", "--straight", "--memory", "1000", "--recompute", "--json"])
+    assert '"recompute": true' in capsys.readouterr().out

@@ -33,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, help="data parallel: the workers; pipeline: workers to plan "
                                                              "for (--plan auto), checked against a plan file")
     p.add_argument("--bandwidth", default=None, help="link speed --plan auto assumes, e.g. 1Gbit (default 10Gbit)")
+    p.add_argument("--memory-limit", default=None,
+                   help="--plan auto: bytes a worker may hold for weights, stashed versions and activations, e.g. 16GiB")
     p.add_argument("--loss", required=True,
                    help="torch.nn.functional name (cross_entropy, mse_loss) or MODULE:FUNCTION")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here")
@@ -141,7 +143,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     result = train(
         model, dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=strategy, schedule=schedule,
         stages=parse_stages(args.stages) if args.stages is not None else args.plan, workers=args.workers,
-        bandwidth=args.bandwidth, batch_size=args.batch_size, epochs=args.epochs,
+        bandwidth=args.bandwidth, memory_limit=args.memory_limit, batch_size=args.batch_size, epochs=args.epochs,
         shuffle=not args.no_shuffle, seed=args.seed, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
