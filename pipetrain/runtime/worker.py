@@ -305,13 +305,13 @@ class Worker:
         self.footprint.hold(key, held.nbytes, now)
         self.footprint.weights(self.policy.stashed_bytes(), now)
 
-    def _run(self, x: Any, weights: Any, mb: int) -> Any:
+    def _run(self, x: Any, weights: Weights, mb: int) -> Any:
         """The stage's forward on ``x`` with ``weights`` (under autocast with bf16)."""
         with self._autocast(), self._blame(f"the forward of minibatch {mb}"):
             # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
             return call(self.stage, x) if weights is self.policy.params else call(self.stage, x, weights)
 
-    def _rerun(self, f: _InFlight, a: Action, weights: Any) -> None:
+    def _rerun(self, f: _InFlight, a: Action, weights: Weights) -> None:
         """Run a forward again, with gradients, right before its backward: with the weights and random
         state of the first run (recompute), or with ``weights``, the current ones (the naive policy)."""
         x = f.raw_input[0] if self._last else f.raw_input
