@@ -60,7 +60,8 @@ class TrainResult:
         stashed_bytes: per rank, the peaks of what it kept between forwards and backwards:
             ``activation_bytes`` (what autograd saved for the microbatches in flight, and their
             inputs; with ``recompute=True`` the inputs and one microbatch's activations during its
-            rerun) and ``weight_bytes`` (stashed weight versions beside the live weights)
+            rerun) and ``weight_bytes`` (stashed weight versions beside the live weights, and the copies of
+            a tied parameter)
             (:mod:`pipetrain.runtime.footprint`).
         memory_traces: per rank with ``trace=True``, ``(time, activation bytes, weight bytes)`` at every
             change (perf_counter seconds); ``trace.json`` draws them as a counter track.

@@ -6,7 +6,8 @@ Activation bytes are the tensors autograd saves for the backward (counted by
 saves, are not activations and are left out) plus the stage's received inputs. With ``recompute``, a
 microbatch in flight keeps its inputs only, and its backward holds one microbatch's full activations
 again while it runs. Weight bytes are the stashed weight versions the policy holds
-(:meth:`pipetrain.runtime.weights.Live.stashed_bytes`). Peaks are over the whole run.
+(:meth:`pipetrain.runtime.weights.Live.stashed_bytes`) and the copies of tied parameters
+(:meth:`pipetrain.runtime.tied.TiedCopies.stashed_bytes`). Peaks are over the whole run.
 """
 from __future__ import annotations
 

@@ -303,7 +303,11 @@ class Worker:
         self._flight[key] = flight
         now = time.perf_counter()
         self.footprint.hold(key, held.nbytes, now)
-        self.footprint.weights(self.policy.stashed_bytes(), now)
+        self.footprint.weights(self._weight_bytes(), now)
+
+    def _weight_bytes(self) -> int:
+        """Stashed weight versions, and the tied parameters' copies."""
+        return self.policy.stashed_bytes() + (self.tied.stashed_bytes() if self.tied is not None else 0)
 
     def _run(self, x: Any, weights: Weights, mb: int) -> Any:
         """The stage's forward on ``x`` with ``weights`` (under autocast with bf16)."""
@@ -415,7 +419,7 @@ class Worker:
         self.policy.updated(r)
         if self.tied is not None:
             self.tied.after_update(self.policy.version)
-        self.footprint.weights(self.policy.stashed_bytes(), time.perf_counter())
+        self.footprint.weights(self._weight_bytes(), time.perf_counter())
         if self._last:
             # one record per minibatch: a replica of the output stage records its own minibatches
             now = time.perf_counter()
