@@ -6,6 +6,8 @@ model's reference from tests/test_tied.py.
 """
 import functools
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch.utils.data import TensorDataset
 import pipetrain
 import test_runtime_exact as exact
 import test_tied as tied
+from launching import ROOT
 from pipetrain.costs import stage_memory_bytes
 from pipetrain.planning import plan
 from pipetrain.profiling import LayerProfile, Profile
@@ -176,3 +179,19 @@ def test_the_plan_command_takes_recompute(capsys, tmp_path) -> None:
     profile().save(path)
     main(["plan", str(path), "--workers", "2", "--straight", "--memory", "1000", "--recompute", "--json"])
     assert '"recompute": true' in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_the_train_command_recomputes(tmp_path) -> None:
+    saved = []
+    for flags in ((), ("--recompute",)):
+        out = tmp_path / f"model{len(flags)}.pt"
+        done = subprocess.run([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
+                               "examples.mlp_job:data", "--stages", "0,4", "--loss", "mse_loss", "--batch-size", "16",
+                               "--schedule", "gpipe", "--microbatches", "4", "--save", str(out), *flags],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert "peak stashed activations / weight versions per worker: " in done.stdout
+        saved.append(torch.load(out, weights_only=True))
+    for k, v in saved[0].items():
+        assert torch.equal(v, saved[1][k])

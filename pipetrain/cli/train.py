@@ -16,6 +16,7 @@ from pipetrain.cli.common import (
 from pipetrain import data, zoo
 from pipetrain.api import train
 from pipetrain.metrics import METRICS, accuracy, plot_log
+from pipetrain.planning.units import format_bytes
 from pipetrain.runtime.dist import BACKENDS
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, Auto, from_options
 from pipetrain.strategies.compression import CODECS
@@ -160,6 +161,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"nothing left to train: every requested epoch is in {args.checkpoint_dir}")
     else:
         _report_speed(result)
+    if result.stashed_bytes:
+        print("peak stashed activations / weight versions per worker: " + ", ".join(
+            f"{format_bytes(s['activation_bytes'])} / {format_bytes(s['weight_bytes'])}" for s in result.stashed_bytes))
     if args.save:
         torch.save(result.model.state_dict(), args.save)
         print(f"saved the trained model's state_dict to {args.save}")
