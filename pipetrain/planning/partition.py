@@ -222,14 +222,17 @@ class _MemoryModel:
     recompute: bool
     limit: float
 
-    def fits(self, params: np.ndarray, inputs: np.ndarray, stash: np.ndarray, r: np.ndarray,
-             workers_to_output: np.ndarray) -> np.ndarray:
+    def counts(self, r: np.ndarray, workers_to_output: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """In-flight (micro)batches and weight versions of a stage on ``r`` replicas with ``workers_to_output``."""
+        return (np.vectorize(self.schedule.in_flight)(r, workers_to_output),
+                np.vectorize(self.schedule.weight_versions)(r, workers_to_output))
+
+    def fits(self, params: np.ndarray, inputs: float, stash: np.ndarray,
+             counts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """Whether a stage of ``params`` bytes, a minibatch's ``inputs`` and ``stash`` (its input and every
-        layer's output) on ``r`` replicas with ``workers_to_output`` fits, over those arrays' shapes."""
-        flight = np.vectorize(self.schedule.in_flight)(r, workers_to_output)
-        versions = np.vectorize(self.schedule.weight_versions)(r, workers_to_output)
+        layer's output) holding ``counts`` fits, over those arrays' shapes."""
         m = self.schedule.microbatches
-        need = stage_memory_bytes(params, stash / m, flight, inputs / m, self.recompute, versions)
+        need = stage_memory_bytes(params, stash / m, counts[0], inputs / m, self.recompute, counts[1])
         return need <= self.limit
 
 
@@ -272,7 +275,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
         joined = (np.arange(F) == 0) & (one_server & (topo.server(start - 1) == topo.server(start)))[..., None]
         bw_boundary = np.where(joined, topo.intra_bandwidth, topo.inter_bandwidth)
     if memory is not None:
-        to_output = np.maximum(m, r)
+        held = memory.counts(r, np.maximum(m, r))
     # a parameter layers of several stages read (a tie): its stages exchange its gradient and value
     # every update over a link of their own (runtime.tied); it cannot be replicated
     ties = [(np.array(layers), float(nbytes)) for layers, nbytes in profile.ties]
@@ -298,7 +301,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
             T = _with_ties(T, ties, i, js, r, tie_bandwidth)
         if memory is not None:
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
-            T = np.where(memory.fits(part, cut[i], stash, r, to_output), T, INF)
+            T = np.where(memory.fits(part, float(cut[i]), stash, held), T, INF)
         # nothing crosses after the last layer: no boundary, and no message latency, behind the output stage
         B = np.where((js < N)[..., None], boundary_time(cut[js][..., None], np.minimum(bw_boundary, transport),
                                                         terms.latency), 0.0)
