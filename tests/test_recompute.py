@@ -61,6 +61,22 @@ def test_recompute_gives_the_same_weights_with_dropout(schedule) -> None:
     assert plain.history[0]["loss"] != train(schedule, False, seed=4).history[0]["loss"]
 
 
+def norm_mlp() -> nn.Sequential:
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(4, WIDE), nn.BatchNorm1d(WIDE), nn.Tanh(), nn.Linear(WIDE, 4),
+                         nn.Linear(4, WIDE), nn.BatchNorm1d(WIDE), nn.Tanh(), nn.Linear(WIDE, 3)).double()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["pipedream", pipetrain.GPipe(2)], ids=str)
+def test_batch_norm_statistics_move_once(schedule) -> None:
+    runs = [pipetrain.train(norm_mlp(), data(), loss_fn=nn.functional.mse_loss, stages=[0, 4], schedule=schedule,
+                            optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=BATCH, shuffle=False,
+                            timeout=60, recompute=recompute) for recompute in (False, True)]
+    assert_equal(runs[1].model, runs[0].model)  # running means and variances too, and the batch counts
+    assert int(runs[1].model[1].num_batches_tracked) == N_MB * (2 if schedule != "pipedream" else 1)
+
+
 @pytest.mark.multiprocess
 def test_recompute_keeps_less_and_reports_it(tmp_path) -> None:
     """GPipe with 4 microbatches: without recompute a stage keeps 4 microbatches' activations; with it,
@@ -92,7 +108,10 @@ def test_pipedream_stashes_weight_versions_and_reports_them() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule,rule", [("pipedream", exact.stashed), (pipetrain.GPipe(2), exact.plain)], ids=str)
+@pytest.mark.parametrize("schedule,rule", [
+    ("pipedream", exact.stashed), (pipetrain.PipeDream(vertical_sync=True), exact.vertical),
+    (pipetrain.GPipe(2), exact.plain), (pipetrain.OneFOneBFlush(2), exact.plain), ("model-parallel", exact.plain),
+], ids=str)
 def test_recompute_matches_the_independent_reference(schedule, rule) -> None:
     exact.assert_same(exact.run(schedule, recompute=True), exact.reference(rule), tol=1e-12)
 
