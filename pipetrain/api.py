@@ -32,14 +32,14 @@ Stages = Sequence[int | str] | Plan | str | os.PathLike
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
           optimizer: Callable[..., torch.optim.Optimizer], strategy: str | Strategy | Auto = "pipeline",
           schedule: str | PipelineSchedule | None = None, stages: Stages | None = None, workers: int | None = None,
-          bandwidth: float | str | None = None, memory_limit: float | str | None = None, batch_size: int = 32, epochs: int = 1, shuffle: bool = True,
-          seed: int = 0, checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
-          keep_checkpoints: int | None = 2, max_restarts: int = 0, timeout: float = 300.0,
+          bandwidth: float | str | None = None, memory_limit: float | str | None = None, batch_size: int = 32,
+          epochs: int = 1, shuffle: bool = True, seed: int = 0, checkpoint_dir: str | os.PathLike | None = None,
+          resume: bool = False, keep_checkpoints: int | None = 2, max_restarts: int = 0, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False, progress: bool = False,
           lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip_grad_norm: float | None = None,
           eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
-          precision: str = "fp32", recompute: bool = False, log_dir: str | os.PathLike | None = None, backend: str = "auto",
-          loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
+          precision: str = "fp32", recompute: bool = False, log_dir: str | os.PathLike | None = None,
+          backend: str = "auto", loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
           collate_fn: Callable[[list[Any]], Any] | None = None) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
@@ -141,8 +141,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     training = Training(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch_size,
                         epochs=epochs, shuffle=shuffle, seed=seed, lr_scheduler=lr_scheduler,
                         clip_grad_norm=clip_grad_norm, precision=precision, recompute=recompute,
-                        eval_dataset=eval_dataset,
-                        metrics=metrics, target_key=target_key, collate_fn=collate_fn)
+                        eval_dataset=eval_dataset, metrics=metrics, target_key=target_key, collate_fn=collate_fn)
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,
                      threads=threads, trace=bool(trace), progress=progress, log_dir=_path(log_dir),

@@ -96,7 +96,8 @@ def test_recompute_keeps_less_and_reports_it(tmp_path) -> None:
     assert max(a for _, a, _ in samples) == again.stashed_bytes[1]["activation_bytes"] and samples[-1][1] == 0
     counters = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "C"]
     assert {e["pid"] for e in counters} == {0, 1} and all(e["name"] == "stashed bytes" for e in counters)
-    assert max(e["args"]["activations"] for e in counters if e["pid"] == 1) == again.stashed_bytes[1]["activation_bytes"]
+    peak = max(e["args"]["activations"] for e in counters if e["pid"] == 1)
+    assert peak == again.stashed_bytes[1]["activation_bytes"]
 
 
 @pytest.mark.multiprocess

@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--straight", action="store_true", help="one worker per stage, no replication")
     p.add_argument("--memory", help="per worker, e.g. 16GiB: weights, stashed versions and activations must fit")
     p.add_argument("--recompute", action="store_true",
-                   help="with --memory: the run will recompute activations (train --recompute): stages keep inputs only")
+                   help="with --memory: the run recomputes activations (train --recompute): stages keep inputs only")
     p.add_argument("--workers-per-server", type=int, help="two-level topology: workers in one server")
     p.add_argument("--intra-bandwidth", help="with --workers-per-server: bandwidth inside a server")
     p.add_argument("--fewer-workers", action="store_true", help="use fewer workers when more would not help")

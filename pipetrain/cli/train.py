@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                              "for (--plan auto), checked against a plan file")
     p.add_argument("--bandwidth", default=None, help="link speed --plan auto assumes, e.g. 1Gbit (default 10Gbit)")
     p.add_argument("--memory-limit", default=None,
-                   help="--plan auto: bytes a worker may hold for weights, stashed versions and activations, e.g. 16GiB")
+                   help="--plan auto: bytes a worker may hold (weights, stashed versions, activations), e.g. 16GiB")
     p.add_argument("--loss", required=True,
                    help="torch.nn.functional name (cross_entropy, mse_loss) or MODULE:FUNCTION")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here")
@@ -149,7 +149,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
         metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
-        clip_grad_norm=args.clip_grad_norm, precision=args.precision, recompute=args.recompute, log_dir=args.log_dir, backend=args.backend,
+        clip_grad_norm=args.clip_grad_norm, precision=args.precision, recompute=args.recompute,
+        log_dir=args.log_dir, backend=args.backend,
         loader_workers=args.loader_workers, prefetch=args.prefetch, target_key=_target_key(args.target_key),
         collate_fn=load_object(args.collate_fn) if args.collate_fn else None)
     for r in result.restarts:
