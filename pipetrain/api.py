@@ -18,6 +18,7 @@ from pipetrain.errors import PipetrainError, warn
 from pipetrain.layers import LayeredModel
 from pipetrain.layout import Layout
 from pipetrain.planning import Plan, check_fits
+from pipetrain.planning.units import parse_bytes
 from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strategy, as_schedule, as_strategy
 from pipetrain.result import TrainResult, gather, write_trace
 from pipetrain.runtime import checkpoint
@@ -34,14 +35,14 @@ Stages = Sequence[int | str] | Plan | str | os.PathLike
 def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], torch.Tensor],
           optimizer: Callable[..., torch.optim.Optimizer], strategy: str | Strategy | Auto = "pipeline",
           schedule: str | PipelineSchedule | None = None, stages: Stages | None = None, workers: int | None = None,
-          bandwidth: float | str | None = None, batch_size: int = 32, epochs: int = 1, shuffle: bool = True,
-          seed: int = 0, checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
-          keep_checkpoints: int | None = 2, max_restarts: int = 0, timeout: float = 300.0,
+          bandwidth: float | str | None = None, memory_limit: float | str | None = None, batch_size: int = 32,
+          epochs: int = 1, shuffle: bool = True, seed: int = 0, checkpoint_dir: str | os.PathLike | None = None,
+          resume: bool = False, keep_checkpoints: int | None = 2, max_restarts: int = 0, timeout: float = 300.0,
           threads: int | None = None, trace: bool | str | os.PathLike = False, progress: bool = False,
           lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip_grad_norm: float | None = None,
           eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
-          precision: str = "fp32", log_dir: str | os.PathLike | None = None, backend: str = "auto",
-          loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
+          precision: str = "fp32", recompute: bool = False, log_dir: str | os.PathLike | None = None,
+          backend: str = "auto", loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
           collate_fn: Callable[[list[Any]], Any] | None = None) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
@@ -76,6 +77,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``"interleaved-1f1b"``, the W workers that hold the stages round robin (stage s on s mod W).
         bandwidth: link speed ``stages="auto"`` plans for (default 10 Gbit/s) and ``strategy="auto"``
             predicts at, bytes/s or a string such as ``"1Gbit"``.
+        memory_limit: with ``stages="auto"``, the bytes (or ``"16GiB"``) a worker may hold: the plan keeps
+            each stage's weights, stashed weight versions and stashed activations within it, as the
+            schedule and ``recompute`` keep them (:func:`pipetrain.costs.stage_memory_bytes`).
         batch_size: samples per minibatch (one optimizer update of the whole job).
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
@@ -110,6 +114,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             :func:`pipetrain.accuracy`); needs ``eval_dataset``.
         precision: ``"fp32"`` (the model's own dtype) or ``"bf16"``: forwards and the loss run under
             autocast to bfloat16 (CPU and GPU); weights, gradients and updates stay in the model's dtype.
+        recompute: activation recomputation: a worker keeps only a microbatch's inputs between its forward
+            (run without gradients, its output sent on) and its backward, which first runs the forward
+            again with the same weights and random state; results are exactly those without it, for an
+            extra forward per microbatch (``result.stashed_bytes`` reports what is kept).
         log_dir: write ``metrics.jsonl`` there: one JSON line per update (``"kind": "update"``) and per
             evaluation (``"kind": "eval"``); ``pipetrain plot DIR`` draws it.
         target_key: with dictionary items, the entry handed to ``loss_fn`` as the target (default
@@ -138,8 +146,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
              "training again from epoch 0")
     training = Training(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch_size,
                         epochs=epochs, shuffle=shuffle, seed=seed, lr_scheduler=lr_scheduler,
-                        clip_grad_norm=clip_grad_norm, precision=precision, eval_dataset=eval_dataset,
-                        metrics=metrics, target_key=target_key, collate_fn=collate_fn)
+                        clip_grad_norm=clip_grad_norm, precision=precision, recompute=recompute,
+                        eval_dataset=eval_dataset, metrics=metrics, target_key=target_key, collate_fn=collate_fn)
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,
                      threads=threads, trace=bool(trace), progress=progress, log_dir=_path(log_dir),
@@ -154,6 +162,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     if workers is None and under_torchrun() and (isinstance(chosen, Auto) or chosen.data_parallel):
         workers = int(os.environ["WORLD_SIZE"])
     check_request(chosen, schedule if schedule_auto else picked, stages, workers, bandwidth)
+    _check_memory_limit(memory_limit, stages)
     choice, phases = None, {}  # type: dict[str, Any] | None, dict[str, float]
     if isinstance(chosen, Auto):
         assert workers is not None
@@ -172,7 +181,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
         phases["capture_s"] = time.perf_counter() - (captured if schedule_auto else started)
         if not schedule_auto:
-            plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases)
+            plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases,
+                                    memory_limit)
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
         cfg = JobConfig(training, run, chosen, picked, layout, layers)
@@ -182,14 +192,25 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     return result
 
 
+def _check_memory_limit(memory_limit: float | str | None, stages: Any) -> None:
+    """``memory_limit`` is a size, and only given to plan with ``stages="auto"``; one line otherwise."""
+    if memory_limit is None:
+        return
+    if not (isinstance(stages, str) and stages == "auto"):
+        raise ValueError(f"memory_limit={memory_limit!r} is what stages='auto' plans within (CLI: --plan auto); drop "
+                         "it, or plan with `pipetrain plan --memory`")
+    parse_bytes(memory_limit, "memory_limit")
+
+
 def _plan(training: Training, run: RunOptions, schedule: PipelineSchedule, stages: Stages | None, workers: int | None,
-          bandwidth: float | str | None, num_layers: int, phases: dict[str, float]) -> tuple[Plan | None, float | None]:
+          bandwidth: float | str | None, num_layers: int, phases: dict[str, float],
+          memory_limit: float | str | None = None) -> tuple[Plan | None, float | None]:
     """The plan ``stages`` names (a Plan, a plan JSON path, or ``"auto"``: made here, its phases' seconds
     added to ``phases``), checked against the model's ``num_layers`` and the ``workers`` asked for, and its
     predicted samples/s; (None, None) for stages given as first layers."""
     if isinstance(stages, str) and stages == "auto":
         assert workers is not None
-        return auto.plan_stages(training, run, schedule, workers, bandwidth, phases)
+        return auto.plan_stages(training, run, schedule, workers, bandwidth, phases, memory_limit)
     if not isinstance(stages, (str, os.PathLike, Plan)):
         return None, None
     plan = stages if isinstance(stages, Plan) else Plan.load(stages)
@@ -249,7 +270,7 @@ def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
     if cfg.run.trace_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         what = f"{cfg.strategy.name}, {cfg.world} workers" if cfg.data_parallel else \
             f"{cfg.schedule.name if cfg.schedule else ''}, stages {list(cfg.layout.boundaries or ())}"
-        write_trace(result.traces, Path(cfg.run.trace_dir), name, what)
+        write_trace(result.traces, Path(cfg.run.trace_dir), name, what, result.memory_traces)
     return result
 
 

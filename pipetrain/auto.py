@@ -124,16 +124,18 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
 
 
 def plan_stages(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
-                bandwidth: float | str | None, phases: dict[str, float]) -> tuple[Plan, float | None]:
-    """``stages="auto"``: the plan for ``workers`` and its predicted samples/s (on rank 0 under torchrun),
-    the seconds of profiling, measuring the set-up and planning added to ``phases``."""
-    found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH), run)
+                bandwidth: float | str | None, phases: dict[str, float],
+                memory: float | str | None = None) -> tuple[Plan, float | None]:
+    """``stages="auto"``: the plan for ``workers`` (each stage within ``memory`` bytes, if given) and its
+    predicted samples/s (on rank 0 under torchrun), the seconds of profiling, measuring the set-up and
+    planning added to ``phases``."""
+    found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH, memory), run)
     phases.update(found["phases"])
     return Plan.from_dict(found["plan"]), found["predicted"]
 
 
 def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
-               bandwidth: float | str) -> dict[str, Any]:
+               bandwidth: float | str, memory: float | str | None = None) -> dict[str, Any]:
     """Profile, plan for ``bandwidth`` and predict this run's samples/s.
 
     [Note: one stage against the plan] The partitioner's model (PipeDream §3.2) lets a replicated
@@ -147,8 +149,9 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     begun = time.perf_counter()
     measured = measured_profile(t, run, workers, ring_cpu=False)
     straight = not schedule.replicable
-    candidates = [plan(measured, workers, bandwidth, straight=straight)]
-    if not straight and len(candidates[0].stages) > 1:
+    candidates = [plan(measured, workers, bandwidth, straight=straight, memory=memory, recompute=t.recompute,
+                       schedule=schedule)]
+    if not straight and len(candidates[0].stages) > 1 and memory is None:  # one stage holds the whole model
         candidates.append(plan(measured, workers, bandwidth, one_stage=True))
     link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
     m = schedule.microbatches

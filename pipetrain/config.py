@@ -49,6 +49,7 @@ class Training:
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     clip_grad_norm: float | None = None
     precision: str = "fp32"
+    recompute: bool = False
     eval_dataset: Dataset | None = None
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None
     target_key: TargetKey = DEFAULT_TARGET_KEY
@@ -86,6 +87,9 @@ class Training:
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r}: give the largest gradient norm, a number > 0")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}: use one of {', '.join(map(repr, PRECISIONS))}")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"recompute={self.recompute!r} must be True (keep only each stage's inputs and run the "
+                             "forward again before the backward) or False")
         self._check_evaluation()
 
     def _check_evaluation(self) -> None:

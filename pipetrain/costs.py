@@ -86,21 +86,35 @@ def in_flight(replicas: int, workers_to_output: int) -> int:
     return warmup((replicas, workers_to_output - replicas), 0)
 
 
-def stage_memory_bytes(parameter_bytes: Num, stashed_activation_bytes: Num, in_flight_count: Num) -> Num:
-    """Bytes one replica of a stage holds: live weights, one stashed weight version per in-flight
-    minibatch (PipeDream §3.4, weight stashing) and the activations each in-flight minibatch keeps
-    for its backward pass.
+def stage_memory_bytes(parameter_bytes: Num, stashed_activation_bytes: Num, in_flight_count: Num,
+                       input_bytes: Num | float = 0.0, recompute: bool = False,
+                       weight_versions: Num | float | None = None) -> Num:
+    """Bytes one replica of a stage holds: live weights, stashed weight versions (by default one per
+    in-flight minibatch, PipeDream §3.4's weight stashing) and the activations each in-flight
+    minibatch keeps for its backward pass.
 
     PipeDream states the memory limit without a formula; its released optimizer uses
     ``ceil(...) * (activations + weights)``. This counts the live weights as well and leaves out
     gradients and optimizer state, so give the limit less the memory those take.
 
+    With ``recompute`` (ours) an in-flight (micro)batch keeps only its input, and the one whose
+    backward runs holds its full activations again while it reruns its forward:
+    ``input_bytes * (in_flight - 1) + stashed_activation_bytes``.
+
     Args:
         parameter_bytes: the stage's parameter bytes.
-        stashed_activation_bytes: bytes one minibatch keeps on the stage until its backward.
-        in_flight_count: from :func:`in_flight`.
+        stashed_activation_bytes: bytes one (micro)batch keeps on the stage until its backward,
+            its input included.
+        in_flight_count: from :func:`in_flight`, or the schedule's
+            (:meth:`pipetrain.schedule.kinds.PipelineSchedule.in_flight`).
+        input_bytes: bytes of one (micro)batch's input to the stage (with ``recompute``).
+        recompute: activation recomputation.
+        weight_versions: stashed weight versions beside the live ones (default ``in_flight_count``).
     """
-    return parameter_bytes * (1 + in_flight_count) + stashed_activation_bytes * in_flight_count
+    versions = in_flight_count if weight_versions is None else weight_versions
+    activations = input_bytes * (in_flight_count - 1) + stashed_activation_bytes if recompute else \
+        stashed_activation_bytes * in_flight_count
+    return parameter_bytes * (1 + versions) + activations
 
 
 # -- Pipe-SGD: Li et al., "Pipe-SGD: A Decentralized Pipelined SGD Framework for Distributed Deep Net

@@ -57,6 +57,14 @@ class TrainResult:
         choice: with ``strategy="auto"``: ``{"choice": NAME, "predictions": {NAME: samples/s}, "options",
             "skipped", "reason"}`` (:meth:`pipetrain.planning.choose.Choice.to_dict`).
         peak_memory: per rank, the worker process's peak resident memory (bytes).
+        stashed_bytes: per rank, the peaks of what it kept between forwards and backwards:
+            ``activation_bytes`` (what autograd saved for the microbatches in flight, and their
+            inputs; with ``recompute=True`` the inputs and one microbatch's activations during its
+            rerun) and ``weight_bytes`` (stashed weight versions beside the live weights, and the copies of
+            a tied parameter)
+            (:mod:`pipetrain.runtime.footprint`).
+        memory_traces: per rank with ``trace=True``, ``(time, activation bytes, weight bytes)`` at every
+            change (perf_counter seconds); ``trace.json`` draws them as a counter track.
         phases: seconds the call spent before training, by phase: ``capture_s`` (cutting the model
             into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
             and ``plan_s``; ``start_s`` (from starting the workers until each held its stage) and
@@ -77,6 +85,8 @@ class TrainResult:
     epochs_trained: int = 0
     choice: dict[str, Any] | None = None
     peak_memory: list[int] = field(default_factory=list)
+    stashed_bytes: list[dict[str, int]] = field(default_factory=list)
+    memory_traces: list[list[tuple[float, int, int]]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -126,16 +136,18 @@ def gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], 
     return TrainResult(full, history, speed, [part["trace"] for part in parts],
                        bytes_sent=[part["bytes_sent"] for part in parts],
                        sync_stats=[part["sync_stats"] for part in parts],
-                       peak_memory=[part["peak_memory"] for part in parts])
+                       peak_memory=[part["peak_memory"] for part in parts],
+                       stashed_bytes=[part["stashed_bytes"] for part in parts],
+                       memory_traces=[part["memory_trace"] for part in parts])
 
 
 def write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],
-                title: str) -> None:
+                title: str, memory: list[list[tuple[float, int, int]]] | None = None) -> None:
     """``trace.json`` (Chrome trace, opens in Perfetto) and ``timeline.png`` of a run's traces in ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     names = [name(r) for r in range(len(traces))]
     # local workers share the monotonic clock; under torchrun each host has its own origin
     start = min((t[0][1] for t in traces if t), default=0.0)
     offsets = None if under_torchrun() else [start] * len(traces)
-    write_chrome_trace(traces, directory / "trace.json", names=names, offsets=offsets)
+    write_chrome_trace(traces, directory / "trace.json", names=names, offsets=offsets, memory=memory)
     draw_timeline(traces, directory / "timeline.png", title=f"{title}: measured", names=names, offsets=offsets)

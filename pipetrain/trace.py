@@ -75,7 +75,8 @@ def _names(traces: Traces, names: Sequence[str] | None) -> list[str]:
 
 
 def write_chrome_trace(traces: Traces, path: str | os.PathLike, names: Sequence[str] | None = None,
-                       offsets: Sequence[float] | None = None) -> None:
+                       offsets: Sequence[float] | None = None,
+                       memory: Sequence[Sequence[tuple[float, int, int]]] | None = None) -> None:
     """Write a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing).
 
     Each rank is one process (``pid`` = rank, one thread) named ``names[r]``; each record is a
@@ -87,17 +88,24 @@ def write_chrome_trace(traces: Traces, path: str | os.PathLike, names: Sequence[
         path: the JSON file to write.
         names: one label per rank (default ``worker r``).
         offsets: see :func:`aligned`.
+        memory: per rank, ``(time_s, activation bytes, weight bytes)`` samples of its stashed bytes
+            (``TrainResult.memory_traces``), drawn as a counter track ``stashed bytes`` (``ph: "C"``).
 
     Raises:
         ValueError: a record's text is not an action, or ``names``/``offsets`` have the wrong length.
     """
     events: list[dict[str, object]] = []
+    if offsets is None:
+        offsets = [min((s for _, s, _ in t), default=0.0) for t in traces]
     for r, (name, records) in enumerate(zip(_names(traces, names), aligned(traces, offsets))):
         events.append({"name": "process_name", "ph": "M", "pid": r, "tid": r, "args": {"name": name}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": r, "args": {"sort_index": r}})
         for text, start, end in records:
             events.append({"name": text, "cat": _STYLE[Action.parse(text).kind][0], "ph": "X",
                            "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6, "pid": r, "tid": r})
+        for t, activations, weights in (memory[r] if memory and r < len(memory) else ()):
+            events.append({"name": "stashed bytes", "ph": "C", "ts": (t - offsets[r]) * 1e6, "pid": r,
+                           "args": {"activations": activations, "weights": weights}})
     Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}) + "\n")
 
 

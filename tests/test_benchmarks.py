@@ -72,3 +72,13 @@ def test_gpt2_real_reports_the_time_to_the_first_update_and_its_phases() -> None
     assert 0 < sum(phases.values()) <= first["first_update_s"] + 1e-6
     assert first["updates"] == 4 and len(first["peak_memory_gib"]) == 2 and min(first["peak_memory_gib"]) > 0
     assert "| profile |" in done.stdout and "call -> first update" in done.stdout
+
+
+def test_recompute_reports_the_stashed_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "recompute.json"
+    done = run("recompute.py", "--repeats", "1", "--steps", "3", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["schedule"], r["recompute"]) for r in rows][:2] == [("pipedream", False), ("pipedream", True)]
+    gpipe = [r for r in rows if r["schedule"] == "gpipe(m=4)"]
+    assert gpipe[1]["activation_bytes"][0] < gpipe[0]["activation_bytes"][0]

@@ -30,8 +30,8 @@ def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(
     profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=slow_link)
     asked: list[dict] = []
     monkeypatch.setattr(auto, "measured_profile", lambda *args, **kwargs: asked.append(kwargs) or profile)
-    monkeypatch.setattr(auto, "plan", lambda p, w, b, straight=False, one_stage=False:
-                        plan(p, w, b, straight=not one_stage, one_stage=one_stage))
+    monkeypatch.setattr(auto, "plan", lambda p, w, b, straight=False, one_stage=False, **kw:
+                        plan(p, w, b, straight=not one_stage, one_stage=one_stage, **kw))
     data = TensorDataset(torch.zeros(64, 1), torch.zeros(64, 1))
     training = Training(model=nn.Linear(1, 1), dataset=data, loss_fn=nn.functional.mse_loss,
                         optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=8)

@@ -55,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                          "(default 10Gbit)")
     p.add_argument("--straight", action="store_true", help="one worker per stage, no replication")
     p.add_argument("--memory", help="per worker, e.g. 16GiB: weights, stashed versions and activations must fit")
+    p.add_argument("--recompute", action="store_true",
+                   help="with --memory: the run recomputes activations (train --recompute): stages keep inputs only")
     p.add_argument("--workers-per-server", type=int, help="two-level topology: workers in one server")
     p.add_argument("--intra-bandwidth", help="with --workers-per-server: bandwidth inside a server")
     p.add_argument("--fewer-workers", action="store_true", help="use fewer workers when more would not help")
@@ -186,7 +188,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         return _schedules(args, profile)
     result = plan(profile, args.workers, args.bandwidth, straight=args.straight, memory=args.memory,
                   workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
-                  fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile)
+                  fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile,
+                  recompute=args.recompute)
     if args.output:
         result.save(args.output)
     if args.json:

@@ -16,6 +16,7 @@ from pipetrain.cli.common import (
 from pipetrain import data, zoo
 from pipetrain.api import train
 from pipetrain.metrics import METRICS, accuracy, plot_log
+from pipetrain.planning.units import format_bytes
 from pipetrain.runtime.dist import BACKENDS
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, STRATEGIES, Auto, from_options
 from pipetrain.strategies.compression import CODECS
@@ -34,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                              "for (--plan auto), checked against a plan file; "
                                                              "interleaved-1f1b: the workers --stages loop over")
     p.add_argument("--bandwidth", default=None, help="link speed --plan auto assumes, e.g. 1Gbit (default 10Gbit)")
+    p.add_argument("--memory-limit", default=None,
+                   help="--plan auto: bytes a worker may hold (weights, stashed versions, activations), e.g. 16GiB")
     p.add_argument("--loss", required=True,
                    help="torch.nn.functional name (cross_entropy, mse_loss) or MODULE:FUNCTION")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here")
@@ -115,6 +118,9 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="scale gradients to this norm at most (data parallel: global; pipeline: per stage)")
     p.add_argument("--precision", default="fp32", help="fp32 or bf16 (autocast the forward and loss to bfloat16)")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each microbatch's stage inputs until its backward, which runs the forward again "
+                        "(same results, less memory, one more forward)")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto (NCCL when every worker has a GPU of its own, else gloo), gloo (workers may share a "
                         "GPU) or nccl")
@@ -141,12 +147,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     result = train(
         model, dataset, loss_fn=loss_fn, optimizer=optimizer, strategy=strategy, schedule=schedule,
         stages=parse_stages(args.stages) if args.stages is not None else args.plan, workers=args.workers,
-        bandwidth=args.bandwidth, batch_size=args.batch_size, epochs=args.epochs,
+        bandwidth=args.bandwidth, memory_limit=args.memory_limit, batch_size=args.batch_size, epochs=args.epochs,
         shuffle=not args.no_shuffle, seed=args.seed, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         max_restarts=args.max_restarts, timeout=args.timeout, trace=args.trace or False, progress=True,
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
         metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
-        clip_grad_norm=args.clip_grad_norm, precision=args.precision, log_dir=args.log_dir, backend=args.backend,
+        clip_grad_norm=args.clip_grad_norm, precision=args.precision, recompute=args.recompute,
+        log_dir=args.log_dir, backend=args.backend,
         loader_workers=args.loader_workers, prefetch=args.prefetch, target_key=_target_key(args.target_key),
         collate_fn=load_object(args.collate_fn) if args.collate_fn else None)
     for r in result.restarts:
@@ -158,6 +165,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"nothing left to train: every requested epoch is in {args.checkpoint_dir}")
     else:
         _report_speed(result)
+    if result.stashed_bytes:
+        print("peak stashed activations / weight versions per worker: " + ", ".join(
+            f"{format_bytes(s['activation_bytes'])} / {format_bytes(s['weight_bytes'])}" for s in result.stashed_bytes))
     if args.save:
         torch.save(result.model.state_dict(), args.save)
         print(f"saved the trained model's state_dict to {args.save}")

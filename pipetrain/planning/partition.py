@@ -38,14 +38,14 @@ from typing import Any
 import numpy as np
 
 from pipetrain.costs import (
-    SYNC_ALGORITHMS, boundary_time, dp_sync_bytes, in_flight, stage_memory_bytes, stage_time, stage_work_s,
-    straggler_s,
+    SYNC_ALGORITHMS, boundary_time, dp_sync_bytes, stage_memory_bytes, stage_time, stage_work_s, straggler_s,
 )
 from pipetrain.planning.result import Plan, StagePlan
 from pipetrain.planning.units import format_bytes, parse_bandwidth, parse_bytes
 from pipetrain.profiling import Profile
 from pipetrain.setup import Setup
 from pipetrain.schedule.generators import noam
+from pipetrain.schedule.kinds import PipeDream, PipelineSchedule
 
 INF = float("inf")
 
@@ -115,7 +115,8 @@ class _Table:
 def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | str = "10Gbit", *,
          straight: bool = False, memory: float | str | None = None, workers_per_server: int | None = None,
          intra_bandwidth: float | str | None = None, fewer_workers: bool = False, allreduce: str = "ps",
-         source: str | None = None, one_stage: bool = False) -> Plan:
+         source: str | None = None, one_stage: bool = False, recompute: bool = False,
+         schedule: PipelineSchedule | None = None) -> Plan:
     """Partition a profiled model over ``workers`` with PipeDream's dynamic program (§3.2).
 
     Args:
@@ -125,7 +126,13 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
             string such as ``10Gbit`` or ``1.25GB/s``.
         straight: one worker per stage (no replication).
         memory: bytes per worker (or ``16GiB``); configurations whose stage would not hold its
-            weights, stashed weight versions and stashed activations are excluded.
+            weights, stashed weight versions and stashed activations are excluded
+            (:func:`pipetrain.costs.stage_memory_bytes`).
+        recompute: the memory limit counts activation recomputation (``train(recompute=True)``):
+            in-flight (micro)batches keep their inputs only, plus one's activations while it reruns.
+        schedule: whose in-flight counts and weight versions the memory limit counts
+            (:meth:`PipelineSchedule.in_flight`, :meth:`PipelineSchedule.weight_versions`; default
+            pipedream's).
         workers_per_server: K; with ``intra_bandwidth``, a two-level topology (see [Note: placement]).
         intra_bandwidth: between workers of one server.
         fewer_workers: use fewer than ``workers`` when more would not be faster.
@@ -156,16 +163,19 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
     limit = None if memory is None else parse_bytes(memory, "memory")
     if allreduce not in SYNC_ALGORITHMS:
         raise ValueError(f"unknown sync algorithm {allreduce!r}; use one of {', '.join(SYNC_ALGORITHMS)}")
+    if not isinstance(recompute, bool):
+        raise ValueError(f"recompute={recompute!r} must be True or False")
+    memory_model = _MemoryModel(schedule or PipeDream(), recompute, limit) if limit is not None else None
 
     workers = int(workers)
     options: dict[str, Any] = {"workers": workers, "bandwidth": inter, "straight": straight, "memory": limit,
                                "workers_per_server": workers_per_server,
                                "intra_bandwidth": None if intra_bandwidth is None else topo.intra_bandwidth,
                                "fewer_workers": fewer_workers, "allreduce": allreduce, "profile": source,
-                               "model": profile.model, "batch_size": profile.batch_size}
+                               "model": profile.model, "batch_size": profile.batch_size, "recompute": recompute}
     if one_stage:
         return _result(profile, [_one_stage(profile, workers, topo, allreduce)], workers, topo, allreduce, options)
-    table = _solve(profile, workers, topo, straight, limit, allreduce)
+    table = _solve(profile, workers, topo, straight, memory_model, allreduce)
     used, flag = _pick(table, workers, fewer_workers)
     if table.best[0, used, flag] == INF:
         raise ValueError(_infeasible(profile, workers, straight and not fewer_workers, limit, source))
@@ -203,7 +213,30 @@ def _check_profile(profile: Profile, source: str) -> None:
         raise ValueError(f"{source}: every layer takes 0 s, so there is nothing to balance; re-run `pipetrain profile`")
 
 
-def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: float | None,
+@dataclass(frozen=True)
+class _MemoryModel:
+    """What a stage must hold under ``limit``: ``schedule``'s in-flight (micro)batches and weight
+    versions, with or without ``recompute``."""
+
+    schedule: PipelineSchedule
+    recompute: bool
+    limit: float
+
+    def counts(self, r: np.ndarray, workers_to_output: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """In-flight (micro)batches and weight versions of a stage on ``r`` replicas with ``workers_to_output``."""
+        return (np.vectorize(self.schedule.in_flight)(r, workers_to_output),
+                np.vectorize(self.schedule.weight_versions)(r, workers_to_output))
+
+    def fits(self, params: np.ndarray, inputs: float, stash: np.ndarray,
+             counts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """Whether a stage of ``params`` bytes, a minibatch's ``inputs`` and ``stash`` (its input and every
+        layer's output) holding ``counts`` fits, over those arrays' shapes."""
+        m = self.schedule.microbatches
+        need = stage_memory_bytes(params, stash / m, counts[0], inputs / m, self.recompute, counts[1])
+        return need <= self.limit
+
+
+def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _MemoryModel | None,
            allreduce: str) -> _Table:
     """Fill the suffix table (see [Note: suffix table]) one first layer i at a time, vectorized over
     (workers m, replicas r of the stage put in front, next layer j, flag f), in that axis order."""
@@ -241,8 +274,8 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
         bw_stage = np.where(one_server, topo.intra_bandwidth, topo.inter_bandwidth)
         joined = (np.arange(F) == 0) & (one_server & (topo.server(start - 1) == topo.server(start)))[..., None]
         bw_boundary = np.where(joined, topo.intra_bandwidth, topo.inter_bandwidth)
-    if limit is not None:
-        flight = np.vectorize(in_flight)(r, np.maximum(m, r))
+    if memory is not None:
+        held = memory.counts(r, np.maximum(m, r))
     # a parameter layers of several stages read (a tie): its stages exchange its gradient and value
     # every update over a link of their own (runtime.tied); it cannot be replicated
     ties = [(np.array(layers), float(nbytes)) for layers, nbytes in profile.ties]
@@ -266,9 +299,9 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, limit: floa
         T = terms.stage_s(work, part, r, bw_stage, allreduce)
         if ties:
             T = _with_ties(T, ties, i, js, r, tie_bandwidth)
-        if limit is not None:
+        if memory is not None:
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
-            T = np.where(stage_memory_bytes(part, stash, flight) <= limit, T, INF)
+            T = np.where(memory.fits(part, float(cut[i]), stash, held), T, INF)
         # nothing crosses after the last layer: no boundary, and no message latency, behind the output stage
         B = np.where((js < N)[..., None], boundary_time(cut[js][..., None], np.minimum(bw_boundary, transport),
                                                         terms.latency), 0.0)
@@ -337,4 +370,5 @@ def _infeasible(profile: Profile, M: int, straight_all: bool, limit: float | Non
                 f"ask for at most {N} workers, allow replication, or allow fewer workers")
     mem = f" within {format_bytes(limit)} per worker" if limit is not None else ""
     return (f"{source}: no configuration of {N} layers on {M} workers fits{mem}; "
-            "raise the memory limit, add workers, or allow fewer workers")
+            "raise the memory limit, add workers, or allow fewer workers" +
+            (", or recompute activations (recompute=True)" if limit is not None else ""))

@@ -120,10 +120,11 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
                     shard=(layout.replica_of(rank), layout.replicas[stage_idx]) if cfg.data_parallel else (0, 1),
                     name=layout.name(rank), attempt=start.attempt,
                     log=_history_log(rank) if reporter else None, scheduler=scheduler,
-                    clip_grad_norm=t.clip_grad_norm, precision=t.precision,
+                    clip_grad_norm=t.clip_grad_norm, precision=t.precision, recompute=t.recompute,
                     metrics_log=metrics_log(cfg.run.log_dir) if cfg.run.log_dir and reporter else None, tied=tied,
                     fixed_shapes=not cfg.data_parallel)
     worker.history = [StepRecord(**h) for h in history]
+    worker.footprint.samples = [] if cfg.run.trace else None
     return worker, stage
 
 
@@ -182,7 +183,8 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
               # data parallelism: every worker holds the same model; rank 0's comes back, the others' digests
               "state": state if not cfg.data_parallel or rank == 0 else {},
               "history": [asdict(h) for h in worker.history] if layout.reporter(rank) else [],
-              "trace": worker.trace or [],
+              "trace": worker.trace or [], "stashed_bytes": worker.footprint.report(),
+              "memory_trace": worker.footprint.samples or [],
               "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
               "sync_stats": sync.stats() if sync else {}, "ready": ready,
               "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB

@@ -107,6 +107,10 @@ class TiedCopies:
         """The stage's local names of its tied parameters (what its weight policy leaves out)."""
         return set(self.live)
 
+    def stashed_bytes(self) -> int:
+        """Bytes of the versions of the tied parameters this stage holds (its copies, the newest included)."""
+        return sum(t.numel() * t.element_size() for versions in self._versions.values() for t in versions.values())
+
     def weights(self, mb: int, version: int) -> dict[str, torch.Tensor]:
         """The tied parameters for the forward of ``mb``, whose input stage ran at ``version``: for
         each, its newest version not after that (received first where this stage borrows it)."""

@@ -51,6 +51,10 @@ class Live:
         """The optimizer just applied ``minibatches`` minibatches' gradients."""
         self.version += minibatches
 
+    def stashed_bytes(self) -> int:
+        """Bytes of the weight versions held besides the live weights (none here)."""
+        return 0
+
 
 class Stashing(Live):
     """Weight stashing: the backward of a minibatch uses the weights its forward used."""
@@ -81,6 +85,14 @@ class Stashing(Live):
     def backward_weights(self, mb: int) -> Weights:
         return self._stash[mb]
 
+    def stashed_bytes(self) -> int:
+        held = {id(w): w for w in self._held()}
+        return sum(t.numel() * t.element_size() for w in held.values() for t in w.values())
+
+    def _held(self) -> list[Weights]:
+        """The copies in use (some more than once)."""
+        return [*self._stash.values(), *([self._newest[1]] if self._newest else [])]
+
     def after_backward(self, mb: int) -> None:
         used = self._stash.pop(mb)
         for k, p in self.params.items():
@@ -105,6 +117,9 @@ class VerticalSync(Stashing):
     def updated(self, minibatches: int) -> None:
         super().updated(minibatches)
         self._versions[self.version] = self._copy()
+
+    def _held(self) -> list[Weights]:
+        return [*super()._held(), *self._versions.values()]
 
     def forward_weights(self, mb: int, tag: int | None) -> Weights:
         if not self._versions:  # no update can precede a stage's first forward

@@ -12,9 +12,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from pipetrain.batches import call, microbatch, to_device
+from pipetrain.batches import call, map_tensors, microbatch, to_device
 from pipetrain.errors import one_line
 from pipetrain.layers import flatten, received, unflatten
+from pipetrain.runtime.footprint import Footprint, saved
+from pipetrain.runtime.recompute import Replay
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.loader import LoadError, Source, Task
 from pipetrain.runtime.split_backward import WeightBackward, input_backward
@@ -43,7 +45,8 @@ class _InFlight:
     inputs: list[torch.Tensor]
     outputs: Any
     loss: torch.Tensor | None = None
-    raw_input: Any = None  # for the naive policy's recompute
+    raw_input: Any = None  # the forward's input, (input, target) at the output stage: what a rerun runs on
+    replay: Replay | None = None  # recompute: what the rerun repeats
 
 
 @dataclass
@@ -91,6 +94,9 @@ class Worker:
         tied: the stage's copies of parameters other stages also read, or None.
         fixed_shapes: every minibatch must have the first one's shapes (a pipeline's stages are made for
             them); data parallelism takes any.
+        recompute: keep only a microbatch's inputs between its forward (run without gradients) and its
+            backward, which runs the forward again first (:mod:`pipetrain.runtime.recompute`).
+        footprint: the bytes it keeps for backwards (:mod:`pipetrain.runtime.footprint`).
     """
 
     rank: int
@@ -114,6 +120,8 @@ class Worker:
     metrics_log: Path | None = None
     tied: TiedCopies | None = None
     fixed_shapes: bool = True
+    recompute: bool = False
+    footprint: Footprint = field(default_factory=Footprint)
     history: list[StepRecord] = field(default_factory=list)
     _flight: dict[tuple[int, int | None], _InFlight] = field(default_factory=dict)
     _inbox: dict[tuple[int, int | None], Message] = field(default_factory=dict)
@@ -295,24 +303,55 @@ class Worker:
         weights = self.policy.forward_weights(a.mb, tag)
         if self.tied is not None:
             weights = {**weights, **self.tied.weights(a.mb, self.policy.version if tag is None else tag)}
-        with torch.set_grad_enabled(not self.policy.recompute), self._autocast(), \
-                self._blame(f"the forward of minibatch {a.mb}"):
-            # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
-            out = call(self.stage, x) if weights is self.policy.params else call(self.stage, x, weights)
-        flight = _InFlight(inputs, out, raw_input=x)
+        replay = Replay.before_forward(weights, self.device) if self.recompute else None
+        rerun = self.policy.recompute or self.recompute
+        kept = inputs if inputs or not rerun else _tensors(x)
+        with torch.set_grad_enabled(not rerun), saved(weights.values(), kept) as held:
+            out = self._run(x, weights, a.mb)
+        # a rerun copies received inputs from their leaves afresh: keep the leaves, not this forward's copies
+        raw = unflatten(inputs, isinstance(x, tuple)) if inputs and rerun else x
+        flight = _InFlight(inputs, None if rerun else out, raw_input=raw, replay=replay)
         if self._last:
             target = microbatch(to_device(self._batch(a.mb, 1), self.device), a.micro, self._sched.microbatches)
-            if self.policy.recompute:
-                flight.outputs = None
-            else:
-                with self._autocast():
+            if not rerun:
+                with self._autocast(), saved(weights.values()) as more:
                     flight.loss = self._loss(out, target, a.mb) / self._sched.microbatches
+                held.nbytes += more.nbytes
             flight.raw_input = (x, target)
         else:
             tensors, is_tuple = flatten(out)
             version = self.policy.version if tag is None else tag
             self._out[key] = Message(a.mb, a.micro, version, tensors, is_tuple)
         self._flight[key] = flight
+        now = time.perf_counter()
+        self.footprint.hold(key, held.nbytes, now)
+        self.footprint.weights(self._weight_bytes(), now)
+
+    def _weight_bytes(self) -> int:
+        """Stashed weight versions, and the tied parameters' copies."""
+        return self.policy.stashed_bytes() + (self.tied.stashed_bytes() if self.tied is not None else 0)
+
+    def _run(self, x: Any, weights: Weights, mb: int) -> Any:
+        """The stage's forward on ``x`` with ``weights`` (under autocast with bf16)."""
+        with self._autocast(), self._blame(f"the forward of minibatch {mb}"):
+            # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
+            return call(self.stage, x) if weights is self.policy.params else call(self.stage, x, weights)
+
+    def _rerun(self, f: _InFlight, a: Action, weights: Weights) -> None:
+        """Run a forward again, with gradients, right before its backward: with the weights and random
+        state of the first run (recompute), or with ``weights``, the current ones (the naive policy)."""
+        x = f.raw_input[0] if self._last else f.raw_input
+        if f.inputs:  # a received input: fresh copies of its leaves, as the forward ran on
+            x = unflatten([t.clone() for t in f.inputs], isinstance(x, tuple))
+        if f.replay is not None:
+            weights = f.replay.weights
+        again = f.replay.replaying(self.stage) if f.replay is not None else contextlib.nullcontext()
+        with again, saved(weights.values()) as held:
+            f.outputs = self._run(x, weights, a.mb)
+            if self._last:
+                with self._autocast():
+                    f.loss = self._loss(f.outputs, f.raw_input[1], a.mb) / self._sched.microbatches
+        self.footprint.rerun(held.nbytes, time.perf_counter())
 
     def _backward(self, a: Action) -> None:
         """A whole backward (``B``), or its input-gradient part (``I``), whose weight-gradient part
@@ -323,15 +362,8 @@ class Worker:
         if self.grad_sync is not None:
             self.grad_sync.watch(weights)
             self._syncing[a.mb] = weights
-        if self.policy.recompute:  # naive: forward again with the weights current now
-            x = f.raw_input[0] if self._last else f.raw_input
-            if f.inputs:  # a received input: fresh copies of its leaves, as the forward ran on
-                x = unflatten([t.clone() for t in f.inputs], isinstance(x, tuple))
-            with self._autocast(), self._blame(f"the forward of minibatch {a.mb}"):
-                out = call(self.stage, x, weights)
-                if self._last:
-                    f.loss = self._loss(out, f.raw_input[1], a.mb) / self._sched.microbatches
-            f.outputs = out
+        if self.policy.recompute or f.replay is not None:
+            self._rerun(f, a, weights)
         if self._last:
             loss = f.loss
             assert loss is not None
@@ -358,7 +390,9 @@ class Worker:
             self._backward_done(a)
 
     def _backward_done(self, a: Action) -> None:
-        """After a microbatch's whole backward (or its ``W``): the weights' gradients are complete."""
+        """After a microbatch's whole backward (or its ``W``): the weights' gradients are complete and
+        what it held is let go."""
+        self.footprint.release((a.mb, a.micro), time.perf_counter())
         last_micro = a.micro is None or a.micro == self._sched.microbatches - 1
         if last_micro:
             if self.tied is not None:
@@ -418,6 +452,7 @@ class Worker:
         self.policy.updated(r)
         if self.tied is not None:
             self.tied.after_update(self.policy.version)
+        self.footprint.weights(self._weight_bytes(), time.perf_counter())
         if self._last:
             # one record per minibatch: a replica of the output stage records its own minibatches
             now = time.perf_counter()
@@ -435,6 +470,13 @@ def append_json(path: Path, record: dict[str, Any]) -> None:
     """Append ``record`` to a JSON-lines file."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a collated value."""
+    found: list[torch.Tensor] = []
+    map_tensors(value, found.append)
+    return found
 
 
 def _shapes(value: Any) -> Any:

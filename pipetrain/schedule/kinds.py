@@ -94,6 +94,19 @@ class PipelineSchedule:
             return "live"  # one minibatch in flight: no update between its forward and backward
         return self.weights
 
+    # The memory model (pipetrain.costs.stage_memory_bytes) asks these of a stage with ``replicas``
+    # workers and ``workers_to_output`` workers from it to the output stage (its own included), as the
+    # planner places it; a schedule that keeps other counts overrides them.
+    def in_flight(self, replicas: int, workers_to_output: int) -> int:
+        """(Micro)batches a worker of the stage holds between their forward and backward at most: 1F1B's
+        ceil(workers_to_output / replicas) (NOAM at the input stage)."""
+        return gen.warmup((replicas, workers_to_output - replicas), 0)
+
+    def weight_versions(self, replicas: int, workers_to_output: int) -> int:
+        """Weight versions a worker of the stage stashes beside its live weights: one per minibatch in
+        flight with weight stashing (PipeDream's count), none when the live weights serve every backward."""
+        return self.in_flight(replicas, workers_to_output) if self.weights in ("stash", "vertical") else 0
+
 
 @dataclass(frozen=True)
 class _Microbatched(PipelineSchedule):
@@ -103,6 +116,10 @@ class _Microbatched(PipelineSchedule):
 
     def __post_init__(self) -> None:
         check_count(self.microbatches, "microbatches")
+
+    def in_flight(self, replicas: int, workers_to_output: int) -> int:
+        """1F1B over the microbatches, at most all of them."""
+        return min(self.microbatches, super().in_flight(replicas, workers_to_output))
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,10 @@ class GPipe(_Microbatched):
     def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
         return gen.gpipe_order(replicas, minibatches, self.microbatches)
 
+    def in_flight(self, replicas: int, workers_to_output: int) -> int:
+        """Every microbatch's forward comes before the first backward."""
+        return self.microbatches
+
 
 @dataclass(frozen=True)
 class OneFOneBFlush(_Microbatched):
@@ -203,6 +224,8 @@ class ModelParallel(PipelineSchedule):
     def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
         return gen.model_parallel_order(replicas, minibatches)
 
+    def in_flight(self, replicas: int, workers_to_output: int) -> int:
+        return 1
 
 @dataclass(frozen=True)
 class Interleaved1F1B(_Microbatched):
