@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     else:
         if schedule_auto:
             assert workers is not None
-            picked, plan, predicted, _ = auto.plan_schedule(training, run, workers, bandwidth, phases)
+            picked, plan, predicted, recompute = auto.plan_schedule(training, run, workers, bandwidth, phases,
+                                                                    memory_limit)
+            training = replace(training, recompute=recompute)
         picked = (picked or as_schedule(DEFAULT_SCHEDULE)).placed(workers)
         captured = time.perf_counter()
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))

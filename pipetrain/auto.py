@@ -171,17 +171,20 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
 
 
 def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,
-                  phases: dict[str, float]) -> tuple[PipelineSchedule, Plan, float, dict[str, Any]]:
+                  phases: dict[str, float], memory: float | str | None = None
+                  ) -> tuple[PipelineSchedule, Plan, float, bool]:
     """``schedule="auto"`` with ``stages="auto"``: measure on rank 0, price every schedule at each
-    microbatch count for the planned stages (:func:`pipetrain.planning.schedules.choose_schedule`),
-    print the table and the reason, and return the fastest schedule, its plan, its predicted samples/s
-    and the whole table (``ScheduleChoice.to_dict()``)."""
+    microbatch count for the planned stages within ``memory`` bytes per worker
+    (:func:`pipetrain.planning.schedules.choose_schedule`; every row recomputing where ``t.recompute``),
+    print the table and the reason, and return the fastest schedule, its plan (the whole table in
+    ``plan.options["schedules"]``), its predicted samples/s and whether it recomputes."""
     def work() -> dict[str, Any]:
         begun = time.perf_counter()
         measured = measured_profile(t, run, workers, ring_cpu=False)
         link = Link(parse_bandwidth(bandwidth or DEFAULT_BANDWIDTH)) if under_torchrun() else Link()
-        found = choose_schedule(measured, workers, bandwidth or DEFAULT_BANDWIDTH, t.batch_size, link=link,
-                                minibatches=max(per_epoch(t.items, t.batch_size, 1), 1))
+        found = choose_schedule(measured, workers, bandwidth or DEFAULT_BANDWIDTH, t.batch_size, memory=memory,
+                                link=link, minibatches=max(per_epoch(t.items, t.batch_size, 1), 1),
+                                recompute=True if t.recompute else None)
         spent = {key: measured.meta.get(key, 0.0) for key in ("profile_s", "setup_s")}
         spent["plan_s"] = time.perf_counter() - begun - sum(spent.values())
         return {"choice": found.to_dict(), "phases": spent}
@@ -193,7 +196,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
         print(f"pipetrain: schedule auto\n{choice.table()}\n{choice.reason}", flush=True)
     chosen = choice.plan
     chosen.options["schedules"] = found["choice"]
-    return choice.schedule(), chosen, choice.chosen.samples_per_s or 0.0, found["choice"]
+    return choice.schedule(), chosen, choice.chosen.samples_per_s or 0.0, choice.chosen.recompute
 
 
 def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,

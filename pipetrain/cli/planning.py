@@ -224,7 +224,7 @@ def _schedules(args: argparse.Namespace, profile: Profile) -> None:
     _know_batch_size(args, profile)
     names = None if args.schedules == "all" else [n.strip() for n in args.schedules.split(",") if n.strip()]
     choice = choose_schedule(profile, args.workers, args.bandwidth, args.batch_size, memory=args.memory,
-                             schedules=names)
+                             schedules=names, recompute=True if args.recompute else None)
     if args.output:
         choice.plan.save(args.output)
     if args.json:
@@ -233,8 +233,10 @@ def _schedules(args: argparse.Namespace, profile: Profile) -> None:
     print(choice.table())
     print(choice.reason)
     if args.output:
-        print(f"wrote {args.output} (run it with --schedule {choice.chosen.schedule}"
-              + (f" --microbatches {choice.chosen.microbatches})" if choice.chosen.microbatches > 1 else ")"))
+        c = choice.chosen
+        print(f"wrote {args.output} (run it with --schedule {c.schedule}"
+              + (f" --microbatches {c.microbatches}" if c.microbatches > 1 else "")
+              + (" --recompute" if c.recompute else "") + ")")
 
 
 def describe(result: Plan, profile: Profile) -> str:

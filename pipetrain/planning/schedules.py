@@ -149,8 +149,8 @@ STAGES_PER_WORKER = 2
 
 def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batch_size: int | None = None, *,
                     memory: float | str | None = None, link: Link | None = None, minibatches: int = 16,
-                    schedules: Sequence[str] | None = None, microbatches: Sequence[int] = MICROBATCHES
-                    ) -> ScheduleChoice:
+                    schedules: Sequence[str] | None = None, microbatches: Sequence[int] = MICROBATCHES,
+                    recompute: bool | None = None) -> ScheduleChoice:
     """Price every schedule in ``schedules`` (default all) for ``workers`` and pick the fastest that fits.
 
     Args:
@@ -160,6 +160,8 @@ def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batc
         link: the simulated link (default ``bandwidth``'s).
         minibatches: simulated per row, an epoch of them filled and drained.
         microbatches: the counts tried for schedules that split minibatches.
+        recompute: price every row with activation recomputation (True), none (False), or a row only when
+            it does not fit without (None).
 
     Raises:
         ValueError: an unknown schedule, or no row that can run and fit (the message lists why each failed).
@@ -183,7 +185,7 @@ def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batc
             except ValueError as e:
                 plans[key] = str(e)
         for m in microbatch_counts(name, batch, microbatches):
-            rows.append(_row(profile, name, m, plans[key], workers, link, batch, minibatches, limit))
+            rows.append(_row(profile, name, m, plans[key], workers, link, batch, minibatches, limit, recompute))
     fits = [i for i, r in enumerate(rows) if r.samples_per_s is not None and not r.why]
     if not fits:
         raise ValueError("no schedule can run here: " + "; ".join(f"{r.label}: {r.why}" for r in rows))
@@ -200,8 +202,9 @@ def _plan_key(name: str) -> tuple[bool, int]:
 
 
 def _row(profile: Profile, name: str, m: int, chosen: Plan | str, workers: int, link: Link, batch: int,
-         minibatches: int, limit: float | None) -> ScheduleRow:
-    """One row: priced as is, then with recomputation if it does not fit ``limit``."""
+         minibatches: int, limit: float | None, recompute: bool | None) -> ScheduleRow:
+    """One row: priced as is, then with recomputation if it does not fit ``limit`` (``recompute`` None),
+    or only as ``recompute`` says."""
     if isinstance(chosen, str):
         return ScheduleRow(name, m, why=chosen)
     try:
@@ -210,11 +213,11 @@ def _row(profile: Profile, name: str, m: int, chosen: Plan | str, workers: int, 
     except ValueError as e:
         return ScheduleRow(name, m, config=chosen.config, why=str(e))
     row = ScheduleRow(name, m, config=chosen.config)
-    for recompute in (False, True):
-        priced = recomputed(profile) if recompute else profile
+    for again in (False, True) if recompute is None else (recompute,):
+        priced = recomputed(profile) if again else profile
         sim, count = simulate_plan(priced, chosen, link, batch, schedule, max(minibatches, m))
-        row = ScheduleRow(name, m, recompute, chosen.config, epoch_rate(sim, count, batch),
-                          max(worker_memory(profile, chosen, schedule, sim, batch, recompute)))
+        row = ScheduleRow(name, m, again, chosen.config, epoch_rate(sim, count, batch),
+                          max(worker_memory(profile, chosen, schedule, sim, batch, again)))
         if limit is None or row.memory_bytes <= limit:
             break
         row.why = f"needs {format_bytes(row.memory_bytes)} on a worker, over the limit {format_bytes(limit)}"
