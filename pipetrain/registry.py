@@ -11,16 +11,16 @@ from dataclasses import fields
 from typing import Any
 
 from pipetrain.schedule.actions import Schedule
-from pipetrain.schedule.kinds import GPipe, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipelineSchedule
+from pipetrain.schedule.kinds import GPipe, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipelineSchedule, TwoBW
 from pipetrain.strategies.kinds import CGDP, DDP, Auto, Pipeline, PipeSGD, Strategy
 
 __all__ = ["Auto", "CGDP", "DDP", "DEFAULT_SCHEDULE", "GPipe", "ModelParallel", "Naive", "OneFOneBFlush", "PipeDream",
-           "PipeSGD", "Pipeline", "PipelineSchedule", "SCHEDULES", "STRATEGIES", "Strategy", "as_schedule",
+           "PipeSGD", "Pipeline", "PipelineSchedule", "SCHEDULES", "STRATEGIES", "Strategy", "TwoBW", "as_schedule",
            "as_strategy", "build_data_parallel", "build_schedule", "from_options", "make", "schedule_of"]
 
 
 SCHEDULES: dict[str, type[PipelineSchedule]] = {c.name: c for c in (PipeDream, Naive, GPipe, OneFOneBFlush,
-                                                                    ModelParallel)}
+                                                                    ModelParallel, TwoBW)}
 DEFAULT_SCHEDULE = PipeDream.name
 
 

@@ -57,6 +57,9 @@ class TrainResult:
         choice: with ``strategy="auto"``: ``{"choice": NAME, "predictions": {NAME: samples/s}, "options",
             "skipped", "reason"}`` (:meth:`pipetrain.planning.choose.Choice.to_dict`).
         peak_memory: per rank, the worker process's peak resident memory (bytes).
+        weight_versions: per rank, the most distinct versions of its stage's weights it held at once (the
+            live weights and the copies minibatches in flight ran at): 1 without weight stashing, at
+            most 2 for ``2bw``.
         phases: seconds the call spent before training, by phase: ``capture_s`` (cutting the model
             into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
             and ``plan_s``; ``start_s`` (from starting the workers until each held its stage) and
@@ -78,6 +81,7 @@ class TrainResult:
     choice: dict[str, Any] | None = None
     peak_memory: list[int] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    weight_versions: list[int] = field(default_factory=list)
 
 
 def training_rate(records: list[dict[str, Any]]) -> float:
@@ -126,7 +130,8 @@ def gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], 
     return TrainResult(full, history, speed, [part["trace"] for part in parts],
                        bytes_sent=[part["bytes_sent"] for part in parts],
                        sync_stats=[part["sync_stats"] for part in parts],
-                       peak_memory=[part["peak_memory"] for part in parts])
+                       peak_memory=[part["peak_memory"] for part in parts],
+                       weight_versions=[part["weight_versions"] for part in parts])
 
 
 def write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],

@@ -150,9 +150,9 @@ class _Sim:
                              for c, r in zip(stages, schedule.replicas)]
         self.jitter_s = 0.0 if setup is None else setup.jitter_s
         self.work_s = [costs.contended_s(c.forward_s + c.backward_s, self.slowdown) for c in stages]
-        # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
+        # pipedream's output stage never holds two minibatches, so it runs without stashed copies; 2bw's does
         self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and
-                       s < len(stages) - 1 else 0.0 for s, c in enumerate(stages)]
+                       (s < len(stages) - 1 or schedule.double_buffered) else 0.0 for s, c in enumerate(stages)]
         # a backward after another since the last update adds its gradients into .grad (microbatches)
         self.add_s = [0.0 if setup is None else c.parameter_bytes * setup.add_s_per_byte for c in stages]
         self.grads_held = [False] * n
@@ -312,9 +312,12 @@ class _Sim:
             self.in_flight[w] += 1
             self.peak_in_flight[w] = max(self.peak_in_flight[w], self.in_flight[w])
             if a.micro in (None, 0):
-                self.versions[w][a.mb] = self.updates[w]
+                # 2bw: minibatch k at the version after max(0, k-1) updates, the live one held beside it
+                buffered = self.sched.double_buffered
+                self.versions[w][a.mb] = max(0, a.mb - 1) if buffered else self.updates[w]
                 if self.stashes:  # only a stashing schedule holds a version per minibatch
-                    self.peak_versions[w] = max(self.peak_versions[w], len(set(self.versions[w].values())))
+                    held = set(self.versions[w].values()) | ({self.updates[w]} if buffered else set())
+                    self.peak_versions[w] = max(self.peak_versions[w], len(held))
         elif a.kind == BACKWARD:
             self.in_flight[w] -= 1
             if a.micro in (None, self.sched.microbatches - 1):

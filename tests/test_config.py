@@ -56,8 +56,8 @@ def test_names_mean_the_defaults_and_objects_carry_their_options() -> None:
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: from_options("pipeline", microbatches=2), "microbatches applies to schedule 'gpipe' or '1f1b-flush', "
-                                                       "not 'pipedream'"),
+    (lambda: from_options("pipeline", microbatches=2), "microbatches applies to schedule 'gpipe' or '1f1b-flush' "
+                                                       "or '2bw', not 'pipedream'"),
     (lambda: from_options("ddp", "gpipe"), "schedule applies to strategy 'pipeline', not 'ddp'"),
     (lambda: from_options("cgdp", vertical_sync=True), "vertical_sync applies to strategy 'pipeline', not 'cgdp'"),
     (lambda: from_options("auto", chunk=2), "chunk applies to strategy 'cgdp', not 'auto'"),

@@ -46,7 +46,7 @@ def test_unknown_schedule_and_misplaced_options():
         train(schedule="zigzag")
     with pytest.raises(ValueError, match="vertical_sync applies to schedule 'pipedream', not 'gpipe'"):
         make("schedule", "gpipe", {"vertical_sync": True})
-    with pytest.raises(ValueError, match="microbatches applies to schedule 'gpipe' or '1f1b-flush', not 'pipedream'"):
+    with pytest.raises(ValueError, match="microbatches applies to schedule 'gpipe' or '1f1b-flush' or '2bw', not 'pipedream'"):
         make("schedule", "pipedream", {"microbatches": 2})
     with pytest.raises(ValueError, match="microbatches=0 must be an integer >= 1"):
         pipetrain.GPipe(microbatches=0)

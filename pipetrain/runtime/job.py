@@ -190,7 +190,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
               "history": [asdict(h) for h in worker.history] if layout.reporter(rank) else [],
               "trace": worker.trace or [],
               "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
-              "sync_stats": sync.stats() if sync else {}, "ready": ready,
+              "sync_stats": sync.stats() if sync else {}, "ready": ready, "weight_versions": policy.peak_versions,
               "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":  # torchrun: every rank gets every rank's part
         parts: list[Any] = [None] * world

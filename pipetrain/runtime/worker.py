@@ -132,6 +132,7 @@ class Worker:
         stage_idx = schedule.stage_of(self.rank)
         self._first, self._last = stage_idx == 0, stage_idx == schedule.num_stages - 1
         self.source.begin(self._tasks(schedule, batches, epoch, False))
+        self.policy.begin()
         self._last_step_t = time.perf_counter()
         for action in schedule.actions[self.rank]:
             t0 = time.perf_counter()

@@ -76,6 +76,9 @@ class Schedule:
             1/r share of the samples, instead of replica ``mb mod r`` running the whole minibatch.
         stashes: a stage keeps a weight version per minibatch in flight (weight stashing, PipeDream
             §3.4): what the simulator prices the copy of a new version for.
+        double_buffered: PipeDream-2BW: round q of a worker's minibatches (q = mb // r) runs at its
+            stage's weights after max(0, q-1) updates, so a stage holds two versions, the output stage
+            too.
         layout: the ranks of each stage (:class:`pipetrain.layout.Layout`).
     """
 
@@ -86,6 +89,7 @@ class Schedule:
     noam: int = 1
     sharded: bool = False
     stashes: bool = False
+    double_buffered: bool = False
     layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,7 +127,7 @@ class Schedule:
         """One line per worker, e.g. ``w0: F0 SF0 F1 SF1 RB0 B0 U0 ...``; round-trips with from_text."""
         head = f"# {self.name} replicas={','.join(map(str, self.replicas))} " \
                f"microbatches={self.microbatches} noam={self.noam} sharded={int(self.sharded)} " \
-               f"stashes={int(self.stashes)}"
+               f"stashes={int(self.stashes)}" + (" double_buffered=1" if self.double_buffered else "")
         rows = [f"w{w}: " + " ".join(map(str, acts)) for w, acts in enumerate(self.actions)]
         return "\n".join([head, *rows])
 
@@ -135,4 +139,4 @@ class Schedule:
         actions = tuple(tuple(Action.parse(a) for a in ln.split(":", 1)[1].split()) for ln in lines[1:])
         return Schedule(name, tuple(int(r) for r in head["replicas"].split(",")), actions,
                         int(head["microbatches"]), int(head["noam"]), bool(int(head.get("sharded", "0"))),
-                        bool(int(head.get("stashes", "0"))))
+                        bool(int(head.get("stashes", "0"))), bool(int(head.get("double_buffered", "0"))))

@@ -78,6 +78,14 @@ def pipedream_order(replicas: Sequence[int], minibatches: int, microbatches: int
     return lists
 
 
+def two_bw_order(replicas: Sequence[int], minibatches: int, microbatches: int) -> Lists:
+    """1F1B over the stream of every microbatch of every minibatch, stage s warming up with n - s and no
+    flush between minibatches (PipeDream-2BW)."""
+    n, m = len(replicas), microbatches
+    return [_one_f_one_b([_micro(mb, k, m) for mb in range(minibatches) for k in range(m)], n - s)
+            for s in range(n)]
+
+
 def gpipe_order(replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Lists:
     """Per minibatch: every microbatch's forward, then every backward (GPipe, arXiv:1811.06965)."""
     m = microbatches
@@ -141,12 +149,14 @@ def flush_sync(lists: Lists, microbatches: int) -> Lists:
     return [_after_backwards(acts, extra) for acts in lists]
 
 
-def step_sync(lists: Lists, replicas: Sequence[int]) -> Lists:
-    """An update after every backward; a replicated stage first syncs the gradient with its replicas
-    (``A`` after the backward, whose hooks have already started the allreduce, then ``S``)."""
+def step_sync(lists: Lists, replicas: Sequence[int], microbatches: int = 1) -> Lists:
+    """An update after every minibatch's last backward; a replicated stage first syncs the gradient with
+    its replicas (``A`` after the backward, whose hooks have already started the allreduce, then ``S``)."""
     layout = Layout(tuple(replicas))
 
     def extra(b: Action, replicated: bool) -> list[Action]:
+        if b.micro not in (None, microbatches - 1):
+            return []
         return ([Action(START_SYNC, b.mb), Action(SYNC, b.mb)] if replicated else []) + [Action(UPDATE, b.mb)]
     return [_after_backwards(acts, functools.partial(extra, replicated=replicas[layout.stage_of(w)] > 1))
             for w, acts in enumerate(lists)]

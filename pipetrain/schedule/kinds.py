@@ -63,9 +63,11 @@ class PipelineSchedule:
             raise ValueError(f"{minibatches} minibatches do not split evenly over replicas {list(replicas)}; "
                              f"use a multiple of {layout.rounds} so every replica joins every gradient sync")
         lists = gen.p2p_pass(replicas, self.order(replicas, minibatches))
-        lists = gen.flush_sync(lists, self.microbatches) if self.flush else gen.step_sync(lists, replicas)
+        lists = gen.flush_sync(lists, self.microbatches) if self.flush else \
+            gen.step_sync(lists, replicas, self.microbatches)
         return Schedule(self.name, tuple(replicas), tuple(map(tuple, lists)), self.microbatches,
-                        gen.noam(replicas), stashes=self.weights == "stash")
+                        gen.noam(replicas), stashes=self.weights in ("stash", "double"),
+                        double_buffered=self.weights == "double")
 
     def check_layout(self, layout: Layout) -> None:
         """One-line ValueError when this schedule cannot run ``layout``."""
@@ -134,6 +136,38 @@ class Naive(PipelineSchedule):
 
     def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
         return gen.pipedream_order(replicas, minibatches)
+
+
+@dataclass(frozen=True)
+class TwoBW(PipelineSchedule):
+    """PipeDream-2BW (arXiv:2006.09503): 1F1B over every microbatch of every minibatch with no flush, and
+    two weight versions per stage. Minibatch t (1-based, of an epoch) takes every microbatch's gradient at
+    the weights after max(0, t-2) updates, at every stage, and update t applies minibatch t's mean
+    gradient: W_t = W_{t-1} - lr * grad f(W_{max(0,t-2)}).
+
+    Args:
+        microbatches: slices per minibatch; at least the number of stages, so that a stage never holds
+            microbatches of more than two minibatches.
+    """
+
+    name: ClassVar[str] = "2bw"
+    flush: ClassVar[bool] = False
+    weights: ClassVar[str] = "double"
+    summary: ClassVar[str] = "1F1B over microbatches without a flush, two weight versions (PipeDream-2BW)"
+    microbatches: int = 1  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        check_count(self.microbatches, "microbatches")
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return gen.two_bw_order(replicas, minibatches, self.microbatches)
+
+    def check_layout(self, layout: Layout) -> None:
+        super().check_layout(layout)
+        if self.microbatches < layout.num_stages:
+            n = layout.num_stages
+            raise ValueError(f"schedule '2bw' needs microbatches >= the number of stages ({n}), got "
+                             f"{self.microbatches}; use microbatches={n} or more (--microbatches {n})")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,157 @@
+"""PipeDream-2BW (``2bw``): its schedule, its weight versions, and exactness in float64.
+
+The reference keeps every version of the whole network's weights, W[0], W[1], ..., and for minibatch t
+(1-based, of an epoch that starts at version b) takes the mean over its microbatches of the loss's
+gradient at W[b + max(0, t-2)], at every stage; update t gives W[b+t] = W[b+t-1] - lr * that gradient.
+"""
+import functools
+import re
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import pipetrain
+from pipetrain.cli import main
+from pipetrain.profiling import LayerProfile, Profile
+from pipetrain.registry import TwoBW, build_schedule, from_options, make, schedule_of
+from pipetrain.schedule import Schedule, validate
+from pipetrain.simulate import simulate
+from pt_models import SIZES, mlp
+
+N_MB, BATCH, LR = 6, 12, 0.05
+CUTS = {2: [0, 4], 3: [0, 2, 4]}  # the 7 layers of pt_models.mlp cut into 2 or 3 stages
+
+
+def compute(schedule: Schedule) -> list[str]:
+    return [" ".join(str(a) for a in acts if a.kind in "FBU") for acts in schedule.actions]
+
+
+def test_order_is_1f1b_over_every_microbatch_with_an_update_after_each_minibatch():
+    s = build_schedule(TwoBW(microbatches=2), [1, 1], 3)
+    assert compute(s) == ["F0.0 F0.1 B0.0 F1.0 B0.1 U0 F1.1 B1.0 F2.0 B1.1 U1 F2.1 B2.0 B2.1 U2",
+                          "F0.0 B0.0 F0.1 B0.1 U0 F1.0 B1.0 F1.1 B1.1 U1 F2.0 B2.0 F2.1 B2.1 U2"]
+    assert " ".join(map(str, s.actions[1][:5])) == "RF0.0 F0.0 B0.0 SB0.0 RF0.1"
+    assert (s.name, s.microbatches, s.double_buffered, s.stashes) == ("2bw", 2, True, True)
+
+
+def test_text_form_round_trips_and_every_depth_is_deadlock_free():
+    for n in range(1, 7):
+        for m in (n, n + 2):
+            s = build_schedule(TwoBW(microbatches=m), [1] * n, 5)
+            assert Schedule.from_text(s.to_text()) == s
+            assert "double_buffered=1" in s.to_text().splitlines()[0]
+            assert all(k <= 2 for k in validate(s)["peak_in_flight"])  # microbatches of two minibatches at most
+    assert "double_buffered" not in build_schedule("pipedream", [1, 1], 2).to_text()
+
+
+def test_named_with_its_options():
+    assert make("schedule", "2bw", {"microbatches": 3}) == TwoBW(microbatches=3) == schedule_of("2bw", 3)
+    assert pipetrain.TwoBW is TwoBW
+
+
+@pytest.mark.parametrize("replicas,microbatches,says", [
+    ([1, 1, 1], 2, "schedule '2bw' needs microbatches >= the number of stages (3), got 2; use microbatches=3"),
+    ([1, 1], 1, "needs microbatches >= the number of stages (2), got 1"),
+    ([2, 1], 2, "runs straight pipelines only"),
+])
+def test_bad_layouts_are_refused_in_one_line(replicas, microbatches, says):
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        build_schedule(TwoBW(microbatches=microbatches), replicas, 4)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="microbatches=0 must be an integer >= 1"):
+        TwoBW(microbatches=0)
+
+
+@pytest.mark.parametrize("schedule", [TwoBW(microbatches=2), "2bw"], ids=str)
+def test_train_refuses_too_few_microbatches_before_any_worker_starts(schedule):
+    """Unmarked: a worker process started here would fail the test (conftest)."""
+    with pytest.raises(ValueError, match=r"needs microbatches >= the number of stages \(3\), got [12]") as e:
+        run(schedule, 3)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_refuses_too_few_microbatches_in_one_line(tmp_path, capsys):
+    profile = Profile([LayerProfile(str(i), 1e-3, 2e-3, 1000, 100) for i in range(3)], batch_size=1,
+                      device="test", input_bytes=500)
+    profile.save(tmp_path / "p.json")
+    assert main(["simulate", str(tmp_path / "p.json"), "--stages", "0,1,2", "--schedule", "2bw",
+                 "--microbatches", "2", "--minibatches", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "needs microbatches >= the number of stages (3), got 2" in err and err.count("\n") == 1
+
+
+def test_simulator_prices_no_flush_and_reports_two_versions_at_every_stage():
+    f, b, n, m = 1e-3, 2e-3, 3, 4
+    profile = Profile([LayerProfile(str(i), f, b, 1000, 100) for i in range(n)], batch_size=1, device="test",
+                      input_bytes=500)
+    result = simulate(build_schedule(TwoBW(microbatches=m), [1] * n, 12), profile, list(range(n)))
+    assert result.peak_weight_versions == [2] * n
+    assert result.minibatches_per_s == pytest.approx(1 / (f + b))  # steady state: no bubble between minibatches
+    flush = simulate(build_schedule(schedule_of("1f1b-flush", m), [1] * n, 12), profile, list(range(n)))
+    assert flush.minibatches_per_s < 0.8 / (f + b)
+
+
+# -- exactness --------------------------------------------------------------------------------------
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(N_MB * BATCH, SIZES[0], generator=g, dtype=torch.float64)
+    y = torch.randn(N_MB * BATCH, SIZES[-1], generator=g, dtype=torch.float64)
+    return TensorDataset(x, y)
+
+
+def reference(microbatches: int, epochs: int = 1, lag: int = 2) -> list[torch.Tensor]:
+    """Every Linear's weight and bias after training, with minibatch t of an epoch starting at version b
+    at W[b + max(0, t - lag)] (lag 2: 2bw; lag 1: plain minibatch SGD)."""
+    params = [p.detach().clone() for p in mlp().parameters()]
+    hist = [params]
+    x_all, y_all = dataset().tensors
+    for _ in range(epochs):
+        base = len(hist) - 1
+        for t in range(1, N_MB + 1):
+            used = [p.clone().requires_grad_() for p in hist[base + max(0, t - lag)]]
+            x, y = x_all[(t - 1) * BATCH:t * BATCH], y_all[(t - 1) * BATCH:t * BATCH]
+            size = BATCH // microbatches
+            losses = []
+            for k in range(microbatches):
+                h = x[k * size:(k + 1) * size]
+                for i in range(0, len(used), 2):
+                    h = h @ used[i].T + used[i + 1]
+                    if i < len(used) - 2:
+                        h = torch.tanh(h)
+                losses.append(((h - y[k * size:(k + 1) * size]) ** 2).mean())
+            grads = torch.autograd.grad(sum(losses) / microbatches, used)
+            hist.append([p - LR * g for p, g in zip(hist[-1], grads)])
+    return hist[-1]
+
+
+def run(schedule, n: int, **kw) -> pipetrain.TrainResult:
+    args = dict(loss_fn=torch.nn.functional.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                stages=CUTS[n], schedule=schedule, batch_size=BATCH, epochs=1, shuffle=False, seed=0, timeout=60)
+    return pipetrain.train(mlp(), dataset(), **{**args, **kw})
+
+
+def test_the_reference_differs_from_plain_sgd():
+    """Guards the exactness tests: a one-update lag really changes the result."""
+    assert (reference(2)[0] - reference(2, lag=1)[0]).abs().max() > 1e-6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n,m,epochs", [(2, 2, 1), (2, 3, 2), (3, 3, 1), (3, 4, 1)])
+def test_2bw_is_exact(n, m, epochs):
+    result = run(TwoBW(microbatches=m), n, epochs=epochs)
+    assert [h["step"] for h in result.history] == list(range(1, epochs * N_MB + 1))
+    got = list(result.model.parameters())
+    for g, w in zip(got, reference(m, epochs)):
+        torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-9)
+    assert result.weight_versions == [2] * n  # double buffering: never a third version
+
+
+@pytest.mark.multiprocess
+def test_2bw_by_name_with_the_cli_options():
+    """``--schedule 2bw --microbatches 2``, as the CLI turns its flags into a schedule."""
+    _, schedule = from_options("pipeline", "2bw", microbatches=2)
+    got = list(run(schedule, 2).model.parameters())
+    for g, w in zip(got, reference(2)):
+        torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-9)
