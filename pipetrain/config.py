@@ -226,10 +226,6 @@ class JobConfig:
                 raise ValueError(f"parameter {tie.name} is tied across stages {list(tie.stages)}, and stage "
                                  f"{replicated[0]} is replicated; a tied parameter needs one worker on each stage "
                                  "that uses it: replicate other stages, or cut so one stage holds every use")
-            if any(self.policy_name(s) == "double" for s in tie.stages):
-                raise ValueError(f"parameter {tie.name} is tied across stages {list(tie.stages)}; schedule "
-                                 f"{self.schedule.name!r} does not run tied parameters: use pipedream or a flush "
-                                 "schedule, or cut so one stage holds every use")
             if any(self.policy_name(s) == "naive" for s in tie.stages):
                 raise ValueError(f"parameter {tie.name} is tied across stages {list(tie.stages)}, and schedule "
                                  f"{self.schedule.name!r} recomputes each backward with whatever weights are "

@@ -155,3 +155,13 @@ def test_2bw_by_name_with_the_cli_options():
     got = list(run(schedule, 2).model.parameters())
     for g, w in zip(got, reference(2)):
         torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-9)
+
+
+@pytest.mark.multiprocess
+def test_2bw_resumes_exactly(tmp_path):
+    """An epoch starts from its first version at every stage, so a checkpoint holds all it needs."""
+    run(TwoBW(microbatches=2), 2, checkpoint_dir=tmp_path)
+    resumed = run(TwoBW(microbatches=2), 2, epochs=2, checkpoint_dir=tmp_path, resume=True)
+    assert [h["step"] for h in resumed.history] == list(range(1, 2 * N_MB + 1))
+    for g, w in zip(resumed.model.parameters(), reference(2, epochs=2)):
+        torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-9)

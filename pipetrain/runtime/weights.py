@@ -54,6 +54,11 @@ class Live:
         """Weights for the forward of ``mb``; ``tag`` is the input stage's version (vertical sync)."""
         return self.params
 
+    def version_of(self, mb: int, tag: int | None) -> int:
+        """The version the forward of ``mb`` ran at, as its messages carry it and tied parameters follow
+        it: the input stage's (``tag``) where it came with one, else this stage's."""
+        return self.version if tag is None else tag
+
     def backward_weights(self, mb: int) -> Weights:
         return self.params
 
@@ -165,6 +170,9 @@ class DoubleBuffered(Stashing):
             self._stash[mb], self._at[mb] = self._versions[want], want
             self._check()
         return self._stash[mb]
+
+    def version_of(self, mb: int, tag: int | None) -> int:
+        return self._at[mb]
 
     def updated(self, minibatches: int) -> None:
         super().updated(minibatches)

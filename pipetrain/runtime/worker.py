@@ -273,7 +273,7 @@ class Worker:
             return self._evaluate_forward(a, x)
         weights = self.policy.forward_weights(a.mb, tag)
         if self.tied is not None:
-            weights = {**weights, **self.tied.weights(a.mb, self.policy.version if tag is None else tag)}
+            weights = {**weights, **self.tied.weights(a.mb, self.policy.version_of(a.mb, tag))}
         with torch.set_grad_enabled(not self.policy.recompute), self._autocast(), \
                 self._blame(f"the forward of minibatch {a.mb}"):
             # the live weights are the module's own: call it as is (no reparametrization, hooks intact)
@@ -289,8 +289,7 @@ class Worker:
             flight.raw_input = (x, target)
         else:
             tensors, is_tuple = flatten(out)
-            version = self.policy.version if tag is None else tag
-            self._out[key] = Message(a.mb, a.micro, version, tensors, is_tuple)
+            self._out[key] = Message(a.mb, a.micro, self.policy.version_of(a.mb, tag), tensors, is_tuple)
         self._flight[key] = flight
 
     def _backward(self, a: Action) -> None:
