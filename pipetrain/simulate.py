@@ -308,13 +308,16 @@ class _Sim:
             self.updates[w] += 1
             self.grads_held[w] = False
             self.update_end[w].append(self.clock[w])
+            if self.sched.double_buffered:  # the new live version beside the one in flight
+                self.peak_versions[w] = max(self.peak_versions[w], len({*self.versions[w].values(), self.updates[w]}))
         elif a.kind == FORWARD:
             self.in_flight[w] += 1
             self.peak_in_flight[w] = max(self.peak_in_flight[w], self.in_flight[w])
             if a.micro in (None, 0):
                 # 2bw: minibatch k at the version after max(0, k-1) updates, the live one held beside it
                 buffered = self.sched.double_buffered
-                self.versions[w][a.mb] = max(0, a.mb - 1) if buffered else self.updates[w]
+                rounds = a.mb // self.sched.replicas[self.sched.stage_of(w)]
+                self.versions[w][a.mb] = max(0, rounds - 1) if buffered else self.updates[w]
                 if self.stashes:  # only a stashing schedule holds a version per minibatch
                     held = set(self.versions[w].values()) | ({self.updates[w]} if buffered else set())
                     self.peak_versions[w] = max(self.peak_versions[w], len(held))

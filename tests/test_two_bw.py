@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 import pipetrain
 from pipetrain.cli import main
+from pipetrain.planning import Plan, StagePlan
 from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.registry import TwoBW, build_schedule, from_options, make, schedule_of
 from pipetrain.schedule import Schedule, validate
@@ -33,12 +34,19 @@ def test_order_is_1f1b_over_every_microbatch_with_an_update_after_each_minibatch
                           "F0.0 B0.0 F0.1 B0.1 U0 F1.0 B1.0 F1.1 B1.1 U1 F2.0 B2.0 F2.1 B2.1 U2"]
     assert " ".join(map(str, s.actions[1][:5])) == "RF0.0 F0.0 B0.0 SB0.0 RF0.1"
     assert (s.name, s.microbatches, s.double_buffered, s.stashes) == ("2bw", 2, True, True)
+    # a replica starts its sync after its minibatch's last backward and waits for it before its next backward
+    s = build_schedule(TwoBW(microbatches=2), [2, 1], 4)
+    assert " ".join(map(str, s.actions[0])) == ("F0.0 SF0.0 F0.1 SF0.1 RB0.0 B0.0 RB0.1 B0.1 A0 F2.0 SF2.0 F2.1 SF2.1 "
+                                                "S0 U0 RB2.0 B2.0 RB2.1 B2.1 A2 S2 U2")
+    assert compute(s)[2] == "F0.0 B0.0 F0.1 B0.1 U0 F1.0 B1.0 F1.1 B1.1 U1 F2.0 B2.0 F2.1 B2.1 U2 F3.0 B3.0 F3.1 B3.1 U3"
 
 
 def test_text_form_round_trips_and_every_depth_is_deadlock_free():
-    for n in range(1, 7):
+    layouts = [[1] * n for n in range(1, 7)] + [[2, 1], [1, 2], [2, 2], [1, 3, 1], [3, 1, 2], [2, 1, 1, 2]]
+    for replicas in layouts:
+        n = len(replicas)
         for m in (n, n + 2):
-            s = build_schedule(TwoBW(microbatches=m), [1] * n, 5)
+            s = build_schedule(TwoBW(microbatches=m), replicas, 6)
             assert Schedule.from_text(s.to_text()) == s
             assert "double_buffered=1" in s.to_text().splitlines()[0]
             assert all(k <= 2 for k in validate(s)["peak_in_flight"])  # microbatches of two minibatches at most
@@ -53,7 +61,7 @@ def test_named_with_its_options():
 @pytest.mark.parametrize("replicas,microbatches,says", [
     ([1, 1, 1], 2, "schedule '2bw' needs microbatches >= the number of stages (3), got 2; use microbatches=3"),
     ([1, 1], 1, "needs microbatches >= the number of stages (2), got 1"),
-    ([2, 1], 2, "runs straight pipelines only"),
+    ([2, 1, 1], 2, "needs microbatches >= the number of stages (3), got 2"),
 ])
 def test_bad_layouts_are_refused_in_one_line(replicas, microbatches, says):
     with pytest.raises(ValueError, match=re.escape(says)) as e:
@@ -88,6 +96,8 @@ def test_simulator_prices_no_flush_and_reports_two_versions_at_every_stage():
     result = simulate(build_schedule(TwoBW(microbatches=m), [1] * n, 12), profile, list(range(n)))
     assert result.peak_weight_versions == [2] * n
     assert result.minibatches_per_s == pytest.approx(1 / (f + b))  # steady state: no bubble between minibatches
+    replicated = simulate(build_schedule(TwoBW(microbatches=m), [2, 1, 1], 12), profile, list(range(n)))
+    assert replicated.peak_weight_versions == [2] * 4
     flush = simulate(build_schedule(schedule_of("1f1b-flush", m), [1] * n, 12), profile, list(range(n)))
     assert flush.minibatches_per_s < 0.8 / (f + b)
 
@@ -101,16 +111,21 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def reference(microbatches: int, epochs: int = 1, lag: int = 2) -> list[torch.Tensor]:
-    """Every Linear's weight and bias after training, with minibatch t of an epoch starting at version b
-    at W[b + max(0, t - lag)] (lag 2: 2bw; lag 1: plain minibatch SGD)."""
+def reference(microbatches: int, epochs: int = 1, lag: int = 2, cuts: list[int] = CUTS[2],
+              replicas: tuple[int, ...] = (1, 1)) -> list[torch.Tensor]:
+    """Every Linear's weight and bias after training, stage by stage: a stage of r replicas updates once
+    per round of r minibatches with their mean gradient, and runs minibatch t of an epoch that started
+    at its version b at W_s[b + max(0, (t-1)//r + 1 - lag)] (lag 2: 2bw; lag 1: plain minibatch SGD)."""
     params = [p.detach().clone() for p in mlp().parameters()]
-    hist = [params]
+    stage_of = [sum(c <= 2 * (i // 2) for c in cuts) - 1 for i in range(len(params))]  # Linear l is layer 2l
+    hist = [[[p for p, s in zip(params, stage_of) if s == st]] for st in range(len(cuts))]
+    pending: list[list[list[torch.Tensor]]] = [[] for _ in cuts]
     x_all, y_all = dataset().tensors
     for _ in range(epochs):
-        base = len(hist) - 1
+        base = [len(h) - 1 for h in hist]
         for t in range(1, N_MB + 1):
-            used = [p.clone().requires_grad_() for p in hist[base + max(0, t - lag)]]
+            at = [hist[st][base[st] + max(0, (t - 1) // r + 1 - lag)] for st, r in enumerate(replicas)]
+            used = [p.clone().requires_grad_() for ps in at for p in ps]
             x, y = x_all[(t - 1) * BATCH:t * BATCH], y_all[(t - 1) * BATCH:t * BATCH]
             size = BATCH // microbatches
             losses = []
@@ -122,8 +137,13 @@ def reference(microbatches: int, epochs: int = 1, lag: int = 2) -> list[torch.Te
                         h = torch.tanh(h)
                 losses.append(((h - y[k * size:(k + 1) * size]) ** 2).mean())
             grads = torch.autograd.grad(sum(losses) / microbatches, used)
-            hist.append([p - LR * g for p, g in zip(hist[-1], grads)])
-    return hist[-1]
+            for st, r in enumerate(replicas):
+                pending[st].append([g for g, s in zip(grads, stage_of) if s == st])
+                if len(pending[st]) == r:
+                    mean = [sum(gs) / r for gs in zip(*pending[st])]
+                    hist[st].append([p - LR * g for p, g in zip(hist[st][-1], mean)])
+                    pending[st].clear()
+    return [p for h in hist for p in h[-1]]
 
 
 def run(schedule, n: int, **kw) -> pipetrain.TrainResult:
@@ -146,6 +166,26 @@ def test_2bw_is_exact(n, m, epochs):
     for g, w in zip(got, reference(m, epochs)):
         torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-9)
     assert result.weight_versions == [2] * n  # double buffering: never a third version
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cuts,replicas,m", [([0, 4], (2, 1), 2), ([0, 4], (1, 2), 3), ([0, 2, 4], (1, 2, 1), 3)],
+                         ids=str)
+def test_replicated_2bw_is_exact(cuts, replicas, m):
+    """Replica i of a stage of r takes minibatches i, i+r, ...; round q of them runs at the stage's
+    weights after max(0, q-1) updates, each the mean of a round's gradients (the replicas' allreduce)."""
+    plan = Plan([StagePlan(a, b - 1, r) for a, b, r in zip(cuts, [*cuts[1:], 7], replicas)], noam=1,
+                stage_time_s=1.0, speedup_vs_one=1.0, speedup_vs_dp=1.0)
+    result = run(TwoBW(microbatches=m), len(cuts), stages=plan)
+    assert [h["step"] for h in result.history] == list(range(1, N_MB + 1))
+    want = reference(m, cuts=cuts, replicas=replicas)
+    for g, w in zip(result.model.parameters(), want):
+        torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-9)
+    assert result.weight_versions == [2] * sum(replicas)
+    if replicas == (2, 1):  # each replica: its 3 minibatches' activations, and one allreduce per round
+        cut, grad = BATCH * 6 * 8, (4 * 6 + 6 + 6 * 6 + 6) * 8  # one minibatch's activations, stage 0's gradient
+        assert result.bytes_sent == [3 * cut + 3 * grad] * 2 + [6 * cut]  # ring: 2(r-1)/r of it per allreduce
+    assert max((a - b).abs().max().item() for a, b in zip(want, reference(m, cuts=cuts, replicas=(1,) * len(cuts)))) > 1e-6
 
 
 @pytest.mark.multiprocess

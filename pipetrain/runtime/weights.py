@@ -13,8 +13,9 @@ puts the gradient on the live parameters' ``.grad`` for the optimizer.
 * ``VerticalSync``: every stage runs minibatch t with the version the input stage used for t, carried
   in the message header; a stage keeps the versions that later minibatches may still ask for.
 * ``DoubleBuffered`` (``2bw``, PipeDream-2BW): minibatch k of an epoch (0-based) runs every microbatch,
-  at every stage, with the version after max(0, k-1) of the epoch's updates; a stage keeps its newest
-  version and the one before it, never more.
+  at every stage, with the version after max(0, k-1) of the epoch's updates (a replicated stage counts
+  rounds of its replicas' minibatches); a stage keeps its newest version and the one before it, never
+  more.
 * ``Naive`` (the ablation): forward with the newest weights, backward with the weights current at
   backward time (the stage's forward is recomputed on the stashed input with those weights).
 
@@ -41,8 +42,8 @@ class Live:
         self.version = 0
         self.peak_versions = 1  # the most distinct versions held at once, the live weights' included
 
-    def begin(self) -> None:
-        """An epoch starts; nothing is in flight."""
+    def begin(self, replicas: int) -> None:
+        """An epoch starts on a stage of ``replicas`` workers; nothing is in flight."""
 
     def _hold(self, versions: Iterable[int]) -> int:
         """Count the live version and ``versions`` as held now; how many that is."""
@@ -141,10 +142,12 @@ class VerticalSync(Stashing):
 
 
 class DoubleBuffered(Stashing):
-    """PipeDream-2BW: minibatch k of an epoch runs at the version after max(0, k-1) of its updates.
+    """PipeDream-2BW: minibatch k of an epoch runs at the version after max(0, k-1) of its updates;
+    on a stage of r replicas, round q = k // r of a replica's minibatches at the version after
+    max(0, q-1) of them (r minibatches each).
 
     Under 1F1B over microbatches without a flush, m >= n microbatches, a stage other than the output
-    stage has made k-1 of them when minibatch k's first microbatch arrives and makes the k-th during
+    stage has made k-1 updates when minibatch k's first microbatch arrives and makes the k-th during
     minibatch k's microbatches; the output stage has made k. So every update copies the new version,
     and the version before it is kept for the minibatches that still run at it.
     """
@@ -154,14 +157,15 @@ class DoubleBuffered(Stashing):
     def __init__(self, stage: nn.Module, tied: Collection[str] = ()) -> None:
         super().__init__(stage, tied)
         self._versions: dict[int, Weights] = {}  # the newest version and the one before it
-        self._base = 0  # the version the epoch started at
+        self._base, self._replicas = 0, 1  # the version the epoch started at, the stage's workers
 
-    def begin(self) -> None:
-        self._base = self.version
+    def begin(self, replicas: int) -> None:
+        self._base, self._replicas = self.version, replicas
 
     def forward_weights(self, mb: int, tag: int | None) -> Weights:
         if mb not in self._stash:  # its first microbatch: every later one runs at the same version
-            want = self._base + max(0, mb - 1)
+            r = self._replicas
+            want = self._base + r * max(0, mb // r - 1)
             if want == self.version and want not in self._versions:
                 self._versions[want] = self._copy()
             if want not in self._versions:
@@ -176,7 +180,7 @@ class DoubleBuffered(Stashing):
 
     def updated(self, minibatches: int) -> None:
         super().updated(minibatches)
-        self._versions = {v: w for v, w in self._versions.items() if v == self.version - 1}
+        self._versions = {v: w for v, w in self._versions.items() if v == self.version - minibatches}
         self._versions[self.version] = self._copy()
         self._check()
 

@@ -132,7 +132,7 @@ class Worker:
         stage_idx = schedule.stage_of(self.rank)
         self._first, self._last = stage_idx == 0, stage_idx == schedule.num_stages - 1
         self.source.begin(self._tasks(schedule, batches, epoch, False))
-        self.policy.begin()
+        self.policy.begin(schedule.replicas[stage_idx])
         self._last_step_t = time.perf_counter()
         for action in schedule.actions[self.rank]:
             t0 = time.perf_counter()
@@ -297,7 +297,7 @@ class Worker:
         f = self._flight.pop(key)
         weights = self.policy.backward_weights(a.mb)
         if self.grad_sync is not None:
-            self.grad_sync.watch(weights)
+            self.grad_sync.watch(weights, final=a.micro in (None, self._sched.microbatches - 1))
             self._syncing[a.mb] = weights
         if self.policy.recompute:  # naive: forward again with the weights current now
             x = f.raw_input[0] if self._last else f.raw_input

@@ -80,10 +80,14 @@ def pipedream_order(replicas: Sequence[int], minibatches: int, microbatches: int
 
 def two_bw_order(replicas: Sequence[int], minibatches: int, microbatches: int) -> Lists:
     """1F1B over the stream of every microbatch of every minibatch, stage s warming up with n - s and no
-    flush between minibatches (PipeDream-2BW)."""
+    flush between minibatches (PipeDream-2BW); replica i of a stage of r keeps the stage's order of
+    minibatches i, i+r, ..."""
     n, m = len(replicas), microbatches
-    return [_one_f_one_b([_micro(mb, k, m) for mb in range(minibatches) for k in range(m)], n - s)
-            for s in range(n)]
+    lists: Lists = []
+    for s, r in enumerate(replicas):
+        order = _one_f_one_b([_micro(mb, k, m) for mb in range(minibatches) for k in range(m)], n - s)
+        lists += [[a for a in order if a.mb % r == i] for i in range(r)]
+    return lists
 
 
 def gpipe_order(replicas: Sequence[int], minibatches: int, microbatches: int = 1) -> Lists:
@@ -149,17 +153,41 @@ def flush_sync(lists: Lists, microbatches: int) -> Lists:
     return [_after_backwards(acts, extra) for acts in lists]
 
 
-def step_sync(lists: Lists, replicas: Sequence[int], microbatches: int = 1) -> Lists:
-    """An update after every minibatch's last backward; a replicated stage first syncs the gradient with
-    its replicas (``A`` after the backward, whose hooks have already started the allreduce, then ``S``)."""
+def step_sync(lists: Lists, replicas: Sequence[int]) -> Lists:
+    """An update after every backward; a replicated stage first syncs the gradient with its replicas
+    (``A`` after the backward, whose hooks have already started the allreduce, then ``S``)."""
     layout = Layout(tuple(replicas))
 
     def extra(b: Action, replicated: bool) -> list[Action]:
-        if b.micro not in (None, microbatches - 1):
-            return []
         return ([Action(START_SYNC, b.mb), Action(SYNC, b.mb)] if replicated else []) + [Action(UPDATE, b.mb)]
     return [_after_backwards(acts, functools.partial(extra, replicated=replicas[layout.stage_of(w)] > 1))
             for w, acts in enumerate(lists)]
+
+
+def deferred_sync(lists: Lists, replicas: Sequence[int], microbatches: int) -> Lists:
+    """2bw's sync pass: a stage on one worker updates after each minibatch's last backward (as
+    :func:`flush_sync` does); a replica starts the sync of its minibatch there (``A``) but waits for it and
+    updates (``S``, ``U``) only before the backward of its next minibatch. Meanwhile it runs the forwards
+    its other replicas' last backwards of the round wait for, and those forwards use the version before
+    the update anyway."""
+    layout = Layout(tuple(replicas))
+    out = flush_sync(lists, microbatches)
+    for w, acts in enumerate(lists):
+        if replicas[layout.stage_of(w)] == 1:
+            continue
+        started = _after_backwards(acts, lambda b: [Action(START_SYNC, b.mb)] if b.micro in (None, microbatches - 1)
+                                   else [])
+        seq: list[Action] = []
+        pending: int | None = None
+        for a in started:
+            if a.kind in (RECV_GRAD, BACKWARD) and pending is not None and a.mb != pending:
+                seq += [Action(SYNC, pending), Action(UPDATE, pending)]
+                pending = None
+            seq.append(a)
+            if a.kind == START_SYNC:
+                pending = a.mb
+        out[w] = seq + ([Action(SYNC, pending), Action(UPDATE, pending)] if pending is not None else [])
+    return out
 
 
 def stale_sync(lists: Lists, staleness: int) -> Lists:

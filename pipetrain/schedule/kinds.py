@@ -62,12 +62,14 @@ class PipelineSchedule:
         if minibatches % layout.rounds:
             raise ValueError(f"{minibatches} minibatches do not split evenly over replicas {list(replicas)}; "
                              f"use a multiple of {layout.rounds} so every replica joins every gradient sync")
-        lists = gen.p2p_pass(replicas, self.order(replicas, minibatches))
-        lists = gen.flush_sync(lists, self.microbatches) if self.flush else \
-            gen.step_sync(lists, replicas, self.microbatches)
+        lists = self.sync_pass(gen.p2p_pass(replicas, self.order(replicas, minibatches)), replicas)
         return Schedule(self.name, tuple(replicas), tuple(map(tuple, lists)), self.microbatches,
                         gen.noam(replicas), stashes=self.weights in ("stash", "double"),
                         double_buffered=self.weights == "double")
+
+    def sync_pass(self, lists: gen.Lists, replicas: Sequence[int]) -> gen.Lists:
+        """Where each worker syncs and applies its gradients (``A``, ``S``, ``U``)."""
+        return gen.flush_sync(lists, self.microbatches) if self.flush else gen.step_sync(lists, replicas)
 
     def check_layout(self, layout: Layout) -> None:
         """One-line ValueError when this schedule cannot run ``layout``."""
@@ -143,7 +145,9 @@ class TwoBW(PipelineSchedule):
     """PipeDream-2BW (arXiv:2006.09503): 1F1B over every microbatch of every minibatch with no flush, and
     two weight versions per stage. Minibatch t (1-based, of an epoch) takes every microbatch's gradient at
     the weights after max(0, t-2) updates, at every stage, and update t applies minibatch t's mean
-    gradient: W_t = W_{t-1} - lr * grad f(W_{max(0,t-2)}).
+    gradient: W_t = W_{t-1} - lr * grad f(W_{max(0,t-2)}). Replica i of a stage of r takes minibatches
+    i, i+r, ...; round q of them runs at the stage's weights after max(0, q-1) updates, each the mean
+    gradient of a round.
 
     Args:
         microbatches: slices per minibatch; at least the number of stages, so that a stage never holds
@@ -152,6 +156,7 @@ class TwoBW(PipelineSchedule):
 
     name: ClassVar[str] = "2bw"
     flush: ClassVar[bool] = False
+    replicable: ClassVar[bool] = True
     weights: ClassVar[str] = "double"
     summary: ClassVar[str] = "1F1B over microbatches without a flush, two weight versions (PipeDream-2BW)"
     microbatches: int = 1  # type: ignore[assignment]
@@ -161,6 +166,9 @@ class TwoBW(PipelineSchedule):
 
     def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
         return gen.two_bw_order(replicas, minibatches, self.microbatches)
+
+    def sync_pass(self, lists: gen.Lists, replicas: Sequence[int]) -> gen.Lists:
+        return gen.deferred_sync(lists, replicas, self.microbatches)
 
     def check_layout(self, layout: Layout) -> None:
         super().check_layout(layout)
