@@ -58,8 +58,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``bandwidth``, else over the measured transport), prints the table and trains the fastest
             (``result.choice`` records it).
         schedule: a pipeline's schedule: ``"pipedream"`` (the default), ``"naive"``, ``"gpipe"``,
-            ``"1f1b-flush"``, ``"model-parallel"``, or an object with options:
-            ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``.
+            ``"1f1b-flush"``, ``"2bw"``, ``"model-parallel"``, or an object with options:
+            ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``,
+            ``pipetrain.TwoBW(microbatches=4)``.
         stages: pipeline: the first layer index of each stage (one worker each), or the submodule each
             later stage begins at (``["transformer.h.2", "transformer.h.4"]``; the two may mix); or a
             ``Plan``, or a plan JSON path (``pipetrain plan -o``), which may replicate stages; or

@@ -6,7 +6,8 @@ A schedule is built in three passes:
 2. the **point-to-point pass** (:func:`p2p_pass`): a receive before and a send after each compute
    action that crosses a stage boundary (``RF``/``SF``/``RB``/``SB``);
 3. a **sync pass** owned by the strategy: where gradients are handed to the synchronizer (``A``),
-   waited for (``S``) and applied (``U``): :func:`flush_sync`, :func:`step_sync` or :func:`stale_sync`.
+   waited for (``S``) and applied (``U``): :func:`flush_sync`, :func:`step_sync`, :func:`deferred_sync`
+   or :func:`stale_sync`.
 
 For n = 4 stages and 6 minibatches, ``pipedream`` (PipeDream §3.3, Figure 8; NOAM = 4) orders
 compute as::
@@ -15,6 +16,12 @@ compute as::
     stage 1:    F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5
     stage 2:       F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5
     stage 3:          F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5
+
+``2bw`` with 2 stages and 2 microbatches runs 1F1B over the stream of all microbatches, an update
+after each minibatch's last backward and no flush::
+
+    stage 0: F0.0 F0.1 B0.0 F1.0 B0.1 U0 F1.1 B1.0 F2.0 B1.1 U1 F2.1 B2.0 B2.1 U2
+    stage 1: F0.0 B0.0 F0.1 B0.1 U0 F1.0 B1.0 F1.1 B1.1 U1 F2.0 B2.0 F2.1 B2.1 U2
 
 ``gpipe`` with 4 microbatches orders each minibatch as ``F0.0 F0.1 F0.2 F0.3 B0.0 ... B0.3 U0``, and
 data parallelism with staleness K = 2 (Pipe-SGD, Alg. 1) gives every worker::
