@@ -5,7 +5,10 @@ The reference keeps every version of the whole network's weights, W[0], W[1], ..
 gradient at W[b + max(0, t-2)], at every stage; update t gives W[b+t] = W[b+t-1] - lr * that gradient.
 """
 import functools
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.registry import TwoBW, build_schedule, from_options, make, schedule_of
 from pipetrain.schedule import Schedule, validate
 from pipetrain.simulate import simulate
+from launching import ROOT
 from pt_models import SIZES, mlp
 
 N_MB, BATCH, LR = 6, 12, 0.05
@@ -79,12 +83,14 @@ def test_train_refuses_too_few_microbatches_before_any_worker_starts(schedule):
     assert "\n" not in str(e.value)
 
 
-def test_cli_refuses_too_few_microbatches_in_one_line(tmp_path, capsys):
+def test_cli_takes_2bw_and_refuses_too_few_microbatches_in_one_line(tmp_path, capsys):
     profile = Profile([LayerProfile(str(i), 1e-3, 2e-3, 1000, 100) for i in range(3)], batch_size=1,
                       device="test", input_bytes=500)
     profile.save(tmp_path / "p.json")
-    assert main(["simulate", str(tmp_path / "p.json"), "--stages", "0,1,2", "--schedule", "2bw",
-                 "--microbatches", "2", "--minibatches", "4"]) == 1
+    argv = ["simulate", str(tmp_path / "p.json"), "--stages", "0,1,2", "--schedule", "2bw", "--minibatches", "4"]
+    assert main([*argv, "--microbatches", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_weight_versions"] == [2, 2, 2]
+    assert main([*argv, "--microbatches", "2"]) == 1
     err = capsys.readouterr().err
     assert "needs microbatches >= the number of stages (3), got 2" in err and err.count("\n") == 1
 
@@ -205,3 +211,15 @@ def test_2bw_resumes_exactly(tmp_path):
     assert [h["step"] for h in resumed.history] == list(range(1, 2 * N_MB + 1))
     for g, w in zip(resumed.model.parameters(), reference(2, epochs=2)):
         torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-9)
+
+
+@pytest.mark.multiprocess
+def test_cli_trains_2bw_and_refuses_too_few_microbatches():
+    job = [sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data", "examples.mlp_job:data",
+           "--stages", "0,4", "--loss", "mse_loss", "--batch-size", "16", "--schedule", "2bw"]
+    r = subprocess.run([*job, "--microbatches", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "final loss" in r.stdout
+    r = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0
+    assert "needs microbatches >= the number of stages (2), got 1" in r.stderr
