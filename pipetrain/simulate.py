@@ -32,7 +32,7 @@ data-parallel and CGDP predictions built on this engine live in :mod:`pipetrain.
 [Note: run set-up] A profile that carries a measured :class:`pipetrain.setup.Setup` (workers on one
 machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`:
 
-* compute (F, B, U; on ``pipedream`` the copy of a new weight version at a stage that stashes; in a
+* compute (F, B, U; on ``pipedream`` and ``2bw`` the copy of a new weight version at a stage that stashes; in a
   backward after another since the stage's last update, as microbatches have, the add of its
   gradients into ``.grad`` at the set-up's ``add_s_per_byte``) takes ``slowdown`` times as long
   (:func:`~pipetrain.costs.contended_s`), or, where every worker's threads have cores of their own,
@@ -309,22 +309,25 @@ class _Sim:
             self.grads_held[w] = False
             self.update_end[w].append(self.clock[w])
             if self.sched.double_buffered:  # the new live version beside the one in flight
-                self.peak_versions[w] = max(self.peak_versions[w], len({*self.versions[w].values(), self.updates[w]}))
+                self._count_versions(w)
         elif a.kind == FORWARD:
             self.in_flight[w] += 1
             self.peak_in_flight[w] = max(self.peak_in_flight[w], self.in_flight[w])
             if a.micro in (None, 0):
-                # 2bw: minibatch k at the version after max(0, k-1) updates, the live one held beside it
-                buffered = self.sched.double_buffered
-                rounds = a.mb // self.sched.replicas[self.sched.stage_of(w)]
-                self.versions[w][a.mb] = max(0, rounds - 1) if buffered else self.updates[w]
+                rounds = a.mb // self.sched.replicas[self.sched.stage_of(w)]  # 2bw: at max(0, rounds-1) updates
+                self.versions[w][a.mb] = max(0, rounds - 1) if self.sched.double_buffered else self.updates[w]
                 if self.stashes:  # only a stashing schedule holds a version per minibatch
-                    held = set(self.versions[w].values()) | ({self.updates[w]} if buffered else set())
-                    self.peak_versions[w] = max(self.peak_versions[w], len(held))
+                    self._count_versions(w)
         elif a.kind == BACKWARD:
             self.in_flight[w] -= 1
             if a.micro in (None, self.sched.microbatches - 1):
                 del self.versions[w][a.mb]
+
+
+    def _count_versions(self, w: int) -> None:
+        """The distinct versions ``w`` holds for its minibatches in flight (2bw: and the live one)."""
+        held = {*self.versions[w].values(), *([self.updates[w]] if self.sched.double_buffered else [])}
+        self.peak_versions[w] = max(self.peak_versions[w], len(held))
 
 
 def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], link: Link = Link(),

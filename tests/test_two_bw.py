@@ -223,3 +223,11 @@ def test_cli_trains_2bw_and_refuses_too_few_microbatches():
     r = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0
     assert "needs microbatches >= the number of stages (2), got 1" in r.stderr
+
+
+@pytest.mark.multiprocess
+def test_weight_versions_of_the_other_schedules():
+    """Weight stashing holds a version per minibatch in flight (2 on the input stage of 2), the
+    output stage and flush schedules one: the live weights."""
+    assert run("pipedream", 2, batch_size=4).weight_versions == [2, 1]
+    assert run(pipetrain.GPipe(microbatches=2), 2).weight_versions == [1, 1]
