@@ -18,6 +18,7 @@ import pipetrain
 from pipetrain.cli import main
 from pipetrain.planning import Plan, StagePlan
 from pipetrain.profiling import LayerProfile, Profile
+from pipetrain.runtime.weights import DoubleBuffered
 from pipetrain.registry import TwoBW, build_schedule, from_options, make, schedule_of
 from pipetrain.schedule import Schedule, validate
 from pipetrain.simulate import simulate
@@ -231,3 +232,23 @@ def test_weight_versions_of_the_other_schedules():
     output stage and flush schedules one: the live weights."""
     assert run("pipedream", 2, batch_size=4).weight_versions == [2, 1]
     assert run(pipetrain.GPipe(microbatches=2), 2).weight_versions == [1, 1]
+
+
+def test_the_policy_refuses_an_order_that_breaks_double_buffering():
+    """The runtime's check: a minibatch whose version is gone is an error, not a silent other version."""
+    policy = DoubleBuffered(torch.nn.Linear(2, 2))
+    policy.begin(1)
+    w0 = policy.forward_weights(0, None)
+    assert policy.forward_weights(1, None) is w0  # minibatches 0 and 1 both run at version 0
+    for mb in (0, 1):
+        policy.after_backward(mb)
+        policy.updated(1)
+    assert policy.peak_versions == 2
+    policy.forward_weights(2, None)  # at version 1, the one before the newest: kept
+    assert policy.version_of(2, None) == 1
+    policy.after_backward(2)
+    for _ in range(2):
+        policy.updated(1)
+    with pytest.raises(AssertionError, match=r"minibatch 3 needs weight version 2; this stage holds \[3, 4\]"):
+        policy.forward_weights(3, None)
+    assert policy.peak_versions == 2
