@@ -1,8 +1,10 @@
 """PipeDream-2BW (``2bw``): its schedule, its weight versions, and exactness in float64.
 
-The reference keeps every version of the whole network's weights, W[0], W[1], ..., and for minibatch t
+The reference keeps every version of each stage's weights, W_s[0], W_s[1], ..., and for minibatch t
 (1-based, of an epoch that starts at version b) takes the mean over its microbatches of the loss's
-gradient at W[b + max(0, t-2)], at every stage; update t gives W[b+t] = W[b+t-1] - lr * that gradient.
+gradient with every stage at W_s[b + max(0, t-2)]; update t gives W_s[b+t] = W_s[b+t-1] - lr * that
+gradient. A stage of r replicas counts in rounds: round k (its minibatches r(k-1)+1 .. rk) runs at
+W_s[b + max(0, k-2)] and update k applies the round's mean gradient.
 """
 import functools
 import json
@@ -18,8 +20,8 @@ import pipetrain
 from pipetrain.cli import main
 from pipetrain.planning import Plan, StagePlan
 from pipetrain.profiling import LayerProfile, Profile
-from pipetrain.runtime.weights import DoubleBuffered
 from pipetrain.registry import TwoBW, build_schedule, from_options, make, schedule_of
+from pipetrain.runtime.weights import DoubleBuffered
 from pipetrain.schedule import Schedule, validate
 from pipetrain.simulate import simulate
 from launching import ROOT
