@@ -28,7 +28,8 @@ class PipelineSchedule:
     Class attributes (facts, not options):
         name: what ``schedule=`` says.
         flush: one update per minibatch after its last microbatch, no minibatch in flight across an
-            update (live weights); else an update after every backward (1F1B with weight versions).
+            update (live weights); else minibatches stay in flight across updates (1F1B with weight
+            versions: an update after every minibatch's last backward, its sync as ``sync_pass`` places it).
         replicable: stages may be replicated (round robin over replicas).
         weights: the run-time weight policy (:data:`pipetrain.runtime.weights.POLICIES`).
         summary: one line for help texts.
