@@ -13,7 +13,7 @@ from pipetrain.profiling import Profile
 from pipetrain.profiling import profile_model as profile
 from pipetrain.registry import (
     CGDP, DDP, Auto, GPipe, Interleaved1F1B, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipeSGD, Pipeline,
-    ZeroBubble, build_data_parallel, build_schedule,
+    TwoBW, ZeroBubble, build_data_parallel, build_schedule,
 )
 from pipetrain.result import TrainResult
 from pipetrain.runtime.checkpoint import CheckpointError
@@ -25,4 +25,4 @@ __all__ = ["train", "TrainResult", "profile", "Profile", "plan", "Plan", "simula
            "load_checkpoint", "LayeredModel", "LayerError", "PipetrainError", "PipetrainWarning", "CheckpointError",
            "Schedule", "Action", "build_schedule", "build_data_parallel", "accuracy",
            "Pipeline", "DDP", "PipeSGD", "CGDP", "Auto", "PipeDream", "Naive", "GPipe", "OneFOneBFlush",
-           "ModelParallel", "ZeroBubble", "Interleaved1F1B"]
+           "ModelParallel", "ZeroBubble", "Interleaved1F1B", "TwoBW"]

@@ -63,10 +63,11 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``bandwidth``, else over the measured transport), prints the table and trains the fastest
             (``result.choice`` records it).
         schedule: a pipeline's schedule: ``"pipedream"`` (the default), ``"naive"``, ``"gpipe"``,
-            ``"1f1b-flush"``, ``"zero-bubble"``, ``"interleaved-1f1b"``, ``"model-parallel"``, or an object with
-            options: ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``; or
-            ``"auto"`` with ``stages="auto"``: every schedule is simulated at each microbatch count for the
-            plan, the table printed, and the fastest run (``result.plan.options["schedules"]`` keeps it).
+            ``"1f1b-flush"``, ``"zero-bubble"``, ``"interleaved-1f1b"``, ``"2bw"``, ``"model-parallel"``, or an
+            object with options: ``pipetrain.GPipe(microbatches=4)``, ``pipetrain.PipeDream(vertical_sync=True)``,
+            ``pipetrain.TwoBW(microbatches=4)``; or ``"auto"`` with ``stages="auto"``: every schedule is
+            simulated at each microbatch count for the plan, the table printed, and the fastest run
+            (``result.plan.options["schedules"]`` keeps it).
         stages: pipeline: the first layer index of each stage (one worker each), or the submodule each
             later stage begins at (``["transformer.h.2", "transformer.h.4"]``; the two may mix); or a
             ``Plan``, or a plan JSON path (``pipetrain plan -o``), which may replicate stages; or

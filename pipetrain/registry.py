@@ -12,18 +12,18 @@ from typing import Any
 
 from pipetrain.schedule.actions import Schedule
 from pipetrain.schedule.kinds import (
-    GPipe, Interleaved1F1B, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipelineSchedule, ZeroBubble,
+    GPipe, Interleaved1F1B, ModelParallel, Naive, OneFOneBFlush, PipeDream, PipelineSchedule, TwoBW, ZeroBubble,
 )
 from pipetrain.strategies.kinds import CGDP, DDP, Auto, Pipeline, PipeSGD, Strategy
 
 __all__ = ["Auto", "CGDP", "DDP", "DEFAULT_SCHEDULE", "GPipe", "Interleaved1F1B", "ModelParallel", "Naive",
            "OneFOneBFlush", "PipeDream", "PipeSGD", "Pipeline", "PipelineSchedule", "SCHEDULES", "STRATEGIES", "Strategy",
-           "ZeroBubble", "as_schedule", "as_strategy", "build_data_parallel", "build_schedule", "from_options", "make",
-           "schedule_of"]
+           "TwoBW", "ZeroBubble", "as_schedule", "as_strategy", "build_data_parallel", "build_schedule", "from_options",
+           "make", "schedule_of"]
 
 
 SCHEDULES: dict[str, type[PipelineSchedule]] = {c.name: c for c in (PipeDream, Naive, GPipe, OneFOneBFlush,
-                                                                    ModelParallel, ZeroBubble, Interleaved1F1B)}
+                                                                    ModelParallel, ZeroBubble, Interleaved1F1B, TwoBW)}
 DEFAULT_SCHEDULE = PipeDream.name
 
 

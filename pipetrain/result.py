@@ -65,6 +65,9 @@ class TrainResult:
             (:mod:`pipetrain.runtime.footprint`).
         memory_traces: per rank with ``trace=True``, ``(time, activation bytes, weight bytes)`` at every
             change (perf_counter seconds); ``trace.json`` draws them as a counter track.
+        weight_versions: per rank, the most distinct versions of its stage's weights it held at once (the
+            live weights and the copies minibatches in flight ran at): 1 without weight stashing, at
+            most 2 for ``2bw``.
         phases: seconds the call spent before training, by phase: ``capture_s`` (cutting the model
             into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
             and ``plan_s``; ``start_s`` (from starting the workers until each held its stage) and
@@ -88,6 +91,7 @@ class TrainResult:
     stashed_bytes: list[dict[str, int]] = field(default_factory=list)
     memory_traces: list[list[tuple[float, int, int]]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    weight_versions: list[int] = field(default_factory=list)
 
 
 def training_rate(records: list[dict[str, Any]]) -> float:
@@ -138,7 +142,8 @@ def gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], 
                        sync_stats=[part["sync_stats"] for part in parts],
                        peak_memory=[part["peak_memory"] for part in parts],
                        stashed_bytes=[part["stashed_bytes"] for part in parts],
-                       memory_traces=[part["memory_trace"] for part in parts])
+                       memory_traces=[part["memory_trace"] for part in parts],
+                       weight_versions=[part["weight_versions"] for part in parts])
 
 
 def write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],

@@ -44,7 +44,8 @@ class SimResult:
         bubble_fraction: 1 - mean busy fraction; for GPipe with equal stages and free communication
             this is the GPipe paper's (p - 1) / (m + p - 1) (arXiv:1811.06965 §2.2).
         peak_weight_versions: per worker, the most distinct weight versions held for minibatches
-            in flight (weight stashing, PipeDream §3.4); 1 for schedules that do not stash.
+            in flight (weight stashing, PipeDream §3.4); 1 for schedules that do not stash; for ``2bw``
+            the live version counts too, so at most 2 (double buffering).
         peak_activation_bytes: per worker, the most activation bytes stashed for (micro)batches in
             flight (PipeDream §3.5).
         trace: per worker, ``(action_text, start_s, end_s)`` records, the runtime's trace format.

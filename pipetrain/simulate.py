@@ -34,7 +34,7 @@ data-parallel and CGDP predictions built on this engine live in :mod:`pipetrain.
 [Note: run set-up] A profile that carries a measured :class:`pipetrain.setup.Setup` (workers on one
 machine, per-message cost) changes four rules, all through :mod:`pipetrain.costs`:
 
-* compute (F, B, U; on ``pipedream`` the copy of a new weight version at a stage that stashes; in a
+* compute (F, B, U; on ``pipedream`` and ``2bw`` the copy of a new weight version at a stage that stashes; in a
   backward after another since the stage's last update, as microbatches have, the add of its
   gradients into ``.grad`` at the set-up's ``add_s_per_byte``) takes ``slowdown`` times as long
   (:func:`~pipetrain.costs.contended_s`), or, where every worker's threads have cores of their own,
@@ -154,9 +154,9 @@ class _Sim:
                              for c, r in zip(stages, schedule.replicas)]
         self.jitter_s = 0.0 if setup is None else setup.jitter_s
         self.work_s = [costs.contended_s(c.forward_s + c.backward_s, self.slowdown) for c in stages]
-        # the output stage never holds two minibatches, so it runs without stashed copies (runtime.job)
+        # pipedream's output stage never holds two minibatches, so it runs without stashed copies; 2bw's does
         self.copy_s = [c.parameter_bytes * setup.copy_s_per_byte if self.stashes and setup is not None and
-                       s < len(stages) - 1 else 0.0 for s, c in enumerate(stages)]
+                       (s < len(stages) - 1 or schedule.double_buffered) else 0.0 for s, c in enumerate(stages)]
         # a backward after another since the last update adds its gradients into .grad (microbatches)
         self.add_s = [0.0 if setup is None else c.parameter_bytes * setup.add_s_per_byte for c in stages]
         self.grads_held = [False] * n
@@ -313,17 +313,28 @@ class _Sim:
             self.updates[w] += 1
             self.grads_held[w] = False
             self.update_end[w].append(self.clock[w])
+            if self.sched.double_buffered:  # the new live version beside the one in flight
+                self._count_versions(w)
         elif a.kind == FORWARD:
             self.in_flight[w] += 1
             self.peak_in_flight[w] = max(self.peak_in_flight[w], self.in_flight[w])
             if a.micro in (None, 0):
-                self.versions[w][a.mb] = self.updates[w]
+                if self.sched.double_buffered:  # 2bw: round q of the worker's minibatches at max(0, q-1) updates
+                    self.versions[w][a.mb] = max(0, a.mb // self.sched.replicas[self.sched.stage_of(w)] - 1)
+                else:
+                    self.versions[w][a.mb] = self.updates[w]
                 if self.stashes:  # only a stashing schedule holds a version per minibatch
-                    self.peak_versions[w] = max(self.peak_versions[w], len(set(self.versions[w].values())))
+                    self._count_versions(w)
         elif a.kind in (BACKWARD, WEIGHT_GRAD):  # a split backward holds the activations until its W
             self.in_flight[w] -= 1
             if a.micro in (None, self.sched.microbatches - 1):
                 self.versions[w].pop(a.mb, None)  # a worker holding several stages: at the first
+
+
+    def _count_versions(self, w: int) -> None:
+        """The distinct versions ``w`` holds for its minibatches in flight (2bw: and the live one)."""
+        held = {*self.versions[w].values(), *([self.updates[w]] if self.sched.double_buffered else [])}
+        self.peak_versions[w] = max(self.peak_versions[w], len(held))
 
 
 def simulate(schedule: Schedule, profile: Profile, boundaries: Sequence[int], link: Link = Link(),

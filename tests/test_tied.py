@@ -8,6 +8,7 @@ The reference keeps every version of each stage's own weights and of E. Minibatc
 whole network's gradient with stage s (1-based, of n) at version v_s(t) and E at version e(t):
   pipedream:                        v_s(t) = max(0, t-1-(n-s)),  e(t) = max(0, t-n)
   pipedream + vertical sync:        v_s(t) = e(t) = max(0, t-n)
+  2bw:                              v_s(t) = e(t) = max(0, t-2)
   gpipe / 1f1b-flush / model-parallel and data parallelism: v_s(t) = e(t) = t-1  (plain SGD)
 and update t applies minibatch t's gradient; E's is the sum over both uses (autograd adds them).
 """
@@ -116,6 +117,12 @@ def test_vertical_sync_reads_everything_at_the_input_stage_version() -> None:
     n = len(STAGES)
     want = reference(lambda s, t: max(0, t - n), lambda t: max(0, t - n))
     assert_matches(train(schedule=pipetrain.PipeDream(vertical_sync=True)), want)
+
+
+@pytest.mark.multiprocess
+def test_2bw_reads_everything_one_update_stale() -> None:
+    want = reference(lambda s, t: max(0, t - 2), lambda t: max(0, t - 2))
+    assert_matches(train(schedule=pipetrain.TwoBW(microbatches=4)), want)
 
 
 @pytest.mark.multiprocess

@@ -94,7 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--minibatches", type=int, default=None,
                    help="minibatches to simulate (default 32, rounded up to a multiple of every stage's replicas)")
     p.add_argument("--microbatches", type=int, default=1,
-                   help="gpipe / 1f1b-flush / zero-bubble / interleaved-1f1b: slices per minibatch (default 1)")
+                   help="gpipe / 1f1b-flush / zero-bubble / interleaved-1f1b / 2bw: slices per minibatch (default 1)")
     p.add_argument("--batch-size", type=int, default=None, help="default: the profile's")
     p.add_argument("--bandwidth", default="10Gbit", help="per link direction, e.g. 10Gbit, 1.25GB/s (default 10Gbit)")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer (per message)")

@@ -86,7 +86,7 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help="pipedream: every stage uses the input stage's weight version")
     p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update of the whole job")
     p.add_argument("--microbatches", type=int, default=1,
-                   help="pipeline, gpipe / 1f1b-flush / zero-bubble / interleaved-1f1b: slices per minibatch")
+                   help="pipeline, gpipe / 1f1b-flush / zero-bubble / interleaved-1f1b / 2bw: slices per minibatch")
     p.add_argument("--staleness", type=int, default=None,
                    help="pipe-sgd: K, the minibatches a gradient is applied after (default 2; 1 is synchronous)")
     p.add_argument("--compression", default=None,

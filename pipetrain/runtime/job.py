@@ -186,7 +186,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.de
               "trace": worker.trace or [], "stashed_bytes": worker.footprint.report(),
               "memory_trace": worker.footprint.samples or [],
               "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
-              "sync_stats": sync.stats() if sync else {}, "ready": ready,
+              "sync_stats": sync.stats() if sync else {}, "ready": ready, "weight_versions": worker.policy.peak_versions,
               "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     return _shared(result, world)
 
@@ -249,6 +249,10 @@ def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: t
                     "trace": local.trace or [],
                     "state": {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()},
                     "bytes_sent": transport.bytes_sent, "sync_stats": {},
+                    # its stages' own peaks added up: at most what the rank held at once
+                    "stashed_bytes": {key: sum(w.footprint.report()[key] for w in workers.values())
+                                      for key in ("activation_bytes", "weight_bytes")},
+                    "memory_trace": [], "weight_versions": max(w.policy.peak_versions for w in workers.values()),
                     "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, world)
 
 

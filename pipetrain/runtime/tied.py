@@ -5,7 +5,8 @@ layer) lives on each of those stages. The first of them *owns* it: only its opti
 
 * Every forward of minibatch t reads the tied parameter at the version the input stage used for t
   (the version every message carries, as vertical sync runs by): at a flush schedule that is every
-  update so far; in ``pipedream`` it is max(0, t-n) of n stages, however deep the stage.
+  update so far; in ``pipedream`` it is max(0, t-n) of n stages, however deep the stage; in ``2bw``
+  max(0, t-2).
 * After the last backward of a minibatch each copy's gradient is taken off the version it used.
   At the update of that minibatch the other stages send theirs to the owner, which sums them into
   its own (before clipping, so clipping counts the parameter once), steps, and sends the new value

@@ -12,6 +12,10 @@ puts the gradient on the live parameters' ``.grad`` for the optimizer.
   so it needs no copy and runs ``Live`` (see ``runtime.job``).
 * ``VerticalSync``: every stage runs minibatch t with the version the input stage used for t, carried
   in the message header; a stage keeps the versions that later minibatches may still ask for.
+* ``DoubleBuffered`` (``2bw``, PipeDream-2BW): minibatch k of an epoch (0-based) runs every microbatch,
+  at every stage, with the version after max(0, k-1) of the epoch's updates (a replicated stage counts
+  rounds of its replicas' minibatches); a stage keeps its newest version and the one before it, never
+  more.
 * ``Naive`` (the ablation): forward with the newest weights, backward with the weights current at
   backward time (the stage's forward is recomputed on the stashed input with those weights).
 
@@ -19,7 +23,7 @@ Versions are counted in minibatches applied: a straight stage's version is its u
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
@@ -36,10 +40,25 @@ class Live:
         # a tied parameter's versions are kept by runtime.tied instead
         self.params: Weights = {k: p for k, p in stage.named_parameters() if k not in tied}
         self.version = 0
+        self.peak_versions = 1  # the most distinct versions held at once, the live weights' included
+
+    def begin(self, replicas: int) -> None:
+        """An epoch starts on a stage of ``replicas`` workers; nothing is in flight."""
+
+    def _hold(self, versions: Iterable[int]) -> int:
+        """Count the live version and ``versions`` as held now; how many that is."""
+        held = len({self.version, *versions})
+        self.peak_versions = max(self.peak_versions, held)
+        return held
 
     def forward_weights(self, mb: int, tag: int | None) -> Weights:
         """Weights for the forward of ``mb``; ``tag`` is the input stage's version (vertical sync)."""
         return self.params
+
+    def version_of(self, mb: int, tag: int | None) -> int:
+        """The version the forward of ``mb`` ran at, as its messages carry it and tied parameters follow
+        it: the input stage's (``tag``) where it came with one, else this stage's."""
+        return self.version if tag is None else tag
 
     def backward_weights(self, mb: int) -> Weights:
         return self.params
@@ -66,6 +85,7 @@ class Stashing(Live):
         self._stash: dict[int, Weights] = {}
         self._newest: tuple[int, Weights] | None = None  # (version, copy) shared while unchanged
         self._free: list[Weights] = []
+        self._at: dict[int, int] = {}  # mb in flight -> the version its forward ran at
 
     def _copy(self) -> Weights:
         if self._free:
@@ -79,7 +99,8 @@ class Stashing(Live):
     def forward_weights(self, mb: int, tag: int | None) -> Weights:
         if self._newest is None or self._newest[0] != self.version:
             self._newest = (self.version, self._copy())
-        self._stash[mb] = self._newest[1]
+        self._stash[mb], self._at[mb] = self._newest[1], self.version
+        self._hold(self._at.values())
         return self._stash[mb]
 
     def backward_weights(self, mb: int) -> Weights:
@@ -95,6 +116,7 @@ class Stashing(Live):
 
     def after_backward(self, mb: int) -> None:
         used = self._stash.pop(mb)
+        del self._at[mb]
         for k, p in self.params.items():
             g = used[k].grad
             if g is not None:  # moved, not copied: the stash lets go of it just below
@@ -129,8 +151,57 @@ class VerticalSync(Stashing):
         # later minibatches carry tags >= want: older versions are needed only by stashes
         for v in [v for v in self._versions if v < have]:
             del self._versions[v]
-        self._stash[mb] = self._versions[have]
+        self._stash[mb], self._at[mb] = self._versions[have], have
+        self._hold(self._at.values())
         return self._stash[mb]
+
+
+class DoubleBuffered(Stashing):
+    """PipeDream-2BW: minibatch k of an epoch runs at the version after max(0, k-1) of its updates;
+    on a stage of r replicas, round q = k // r of a replica's minibatches at the version after
+    max(0, q-1) of them (r minibatches each).
+
+    Under 1F1B over microbatches without a flush, m >= n microbatches, a stage other than the output
+    stage has made k-1 updates when minibatch k's first microbatch arrives and makes the k-th during
+    minibatch k's microbatches; the output stage has made k. So every update copies the new version,
+    and the version before it is kept for the minibatches that still run at it.
+    """
+
+    recycle = False  # copies also live in the version table; let the garbage collector free them
+
+    def __init__(self, stage: nn.Module, tied: Collection[str] = ()) -> None:
+        super().__init__(stage, tied)
+        self._versions: dict[int, Weights] = {}  # the newest version and the one before it
+        self._base, self._replicas = 0, 1  # the version the epoch started at, the stage's workers
+
+    def begin(self, replicas: int) -> None:
+        self._base, self._replicas = self.version, replicas
+
+    def forward_weights(self, mb: int, tag: int | None) -> Weights:
+        if mb not in self._stash:  # its first microbatch: every later one runs at the same version
+            r = self._replicas
+            want = self._base + r * max(0, mb // r - 1)
+            if want == self.version and want not in self._versions:
+                self._versions[want] = self._copy()
+            if want not in self._versions:
+                raise AssertionError(f"minibatch {mb} needs weight version {want}; this stage holds "
+                                     f"{sorted(self._versions)} (the schedule breaks the 2bw order)")
+            self._stash[mb], self._at[mb] = self._versions[want], want
+            self._check()
+        return self._stash[mb]
+
+    def version_of(self, mb: int, tag: int | None) -> int:
+        return self._at[mb]
+
+    def updated(self, minibatches: int) -> None:
+        super().updated(minibatches)
+        self._versions = {v: w for v, w in self._versions.items() if v == self.version - minibatches}
+        self._versions[self.version] = self._copy()
+        self._check()
+
+    def _check(self) -> None:
+        held = self._hold([*self._versions, *self._at.values()])
+        assert held <= 2, f"a double-buffered stage holds {held} weight versions"
 
 
 class Naive(Live):
@@ -139,4 +210,4 @@ class Naive(Live):
     recompute = True
 
 
-POLICIES = {"live": Live, "stash": Stashing, "vertical": VerticalSync, "naive": Naive}
+POLICIES = {"live": Live, "stash": Stashing, "vertical": VerticalSync, "double": DoubleBuffered, "naive": Naive}

@@ -150,6 +150,7 @@ class Worker:
         stage_idx = schedule.stage_of(self.rank)
         self._first, self._last = stage_idx == 0, stage_idx == schedule.num_stages - 1
         self.source.begin(self._tasks(schedule, batches, epoch, False))
+        self.policy.begin(schedule.replicas[stage_idx])
         self._last_step_t = time.perf_counter()
 
     def step(self, action: Action, on_step: Callable[[StepRecord], None] | None = None) -> None:
@@ -302,7 +303,7 @@ class Worker:
             return self._evaluate_forward(a, x)
         weights = self.policy.forward_weights(a.mb, tag)
         if self.tied is not None:
-            weights = {**weights, **self.tied.weights(a.mb, self.policy.version if tag is None else tag)}
+            weights = {**weights, **self.tied.weights(a.mb, self.policy.version_of(a.mb, tag))}
         replay = Replay.before_forward(weights, self.device) if self.recompute else None
         rerun = self.policy.recompute or self.recompute
         kept = inputs if inputs or not rerun else _tensors(x)
@@ -320,8 +321,7 @@ class Worker:
             flight.raw_input = (x, target)
         else:
             tensors, is_tuple = flatten(out)
-            version = self.policy.version if tag is None else tag
-            self._out[key] = Message(a.mb, a.micro, version, tensors, is_tuple)
+            self._out[key] = Message(a.mb, a.micro, self.policy.version_of(a.mb, tag), tensors, is_tuple)
         self._flight[key] = flight
         now = time.perf_counter()
         self.footprint.hold(key, held.nbytes, now)
@@ -360,7 +360,7 @@ class Worker:
         f = self._flight.pop(key)
         weights = self.policy.backward_weights(a.mb)
         if self.grad_sync is not None:
-            self.grad_sync.watch(weights)
+            self.grad_sync.watch(weights, final=a.micro in (None, self._sched.microbatches - 1))
             self._syncing[a.mb] = weights
         if self.policy.recompute or f.replay is not None:
             self._rerun(f, a, weights)

@@ -99,6 +99,9 @@ class Schedule:
             §3.4): what the simulator prices the copy of a new version for.
         looped: None: each worker holds one stage (a replica of it); W: ``W`` workers hold the stages
             round robin, stage s on worker s mod W (interleaved schedules), and actions name their stage.
+        double_buffered: PipeDream-2BW: round q of a worker's minibatches (q = mb // r) runs at its
+            stage's weights after max(0, q-1) updates, so a stage holds two versions, the output stage
+            too.
         layout: the ranks of each stage (:class:`pipetrain.layout.Layout`); with ``looped``, of the
             stages as if each had a worker of its own.
     """
@@ -111,6 +114,7 @@ class Schedule:
     sharded: bool = False
     stashes: bool = False
     looped: int | None = None
+    double_buffered: bool = False
     layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -164,7 +168,8 @@ class Schedule:
         """One line per worker, e.g. ``w0: F0 SF0 F1 SF1 RB0 B0 U0 ...``; round-trips with from_text."""
         head = f"# {self.name} replicas={','.join(map(str, self.replicas))} " \
                f"microbatches={self.microbatches} noam={self.noam} sharded={int(self.sharded)} " \
-               f"stashes={int(self.stashes)}" + ("" if self.looped is None else f" looped={self.looped}")
+               f"stashes={int(self.stashes)}" + ("" if self.looped is None else f" looped={self.looped}") \
+               + (" double_buffered=1" if self.double_buffered else "")
         rows = [f"w{w}: " + " ".join(map(str, acts)) for w, acts in enumerate(self.actions)]
         return "\n".join([head, *rows])
 
@@ -177,4 +182,5 @@ class Schedule:
         return Schedule(name, tuple(int(r) for r in head["replicas"].split(",")), actions,
                         int(head["microbatches"]), int(head["noam"]), bool(int(head.get("sharded", "0"))),
                         bool(int(head.get("stashes", "0"))),
-                        int(head["looped"]) if "looped" in head else None)
+                        looped=int(head["looped"]) if "looped" in head else None,
+                        double_buffered=bool(int(head.get("double_buffered", "0"))))

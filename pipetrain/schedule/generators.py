@@ -7,7 +7,8 @@ A schedule is built in three passes:
 2. the **point-to-point pass** (:func:`p2p_pass`): a receive before and a send after each compute
    action that crosses a stage boundary (``RF``/``SF``/``RB``/``SB``);
 3. a **sync pass** owned by the strategy: where gradients are handed to the synchronizer (``A``),
-   waited for (``S``) and applied (``U``): :func:`flush_sync`, :func:`split_flush_sync`, :func:`step_sync`
+   waited for (``S``) and applied (``U``): :func:`flush_sync`, :func:`split_flush_sync`, :func:`step_sync`,
+   :func:`deferred_sync`
    or :func:`stale_sync`.
 
 For n = 4 stages and 6 minibatches, ``pipedream`` (PipeDream §3.3, Figure 8; NOAM = 4) orders
@@ -17,6 +18,12 @@ compute as::
     stage 1:    F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5
     stage 2:       F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5
     stage 3:          F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5
+
+``2bw`` with 2 stages and 2 microbatches runs 1F1B over the stream of all microbatches, an update
+after each minibatch's last backward and no flush::
+
+    stage 0: F0.0 F0.1 B0.0 F1.0 B0.1 U0 F1.1 B1.0 F2.0 B1.1 U1 F2.1 B2.0 B2.1 U2
+    stage 1: F0.0 B0.0 F0.1 B0.1 U0 F1.0 B1.0 F1.1 B1.1 U1 F2.0 B2.0 F2.1 B2.1 U2
 
 ``gpipe`` with 4 microbatches orders each minibatch as ``F0.0 F0.1 F0.2 F0.3 B0.0 ... B0.3 U0``, and
 data parallelism with staleness K = 2 (Pipe-SGD, Alg. 1) gives every worker::
@@ -78,6 +85,18 @@ def pipedream_order(replicas: Sequence[int], minibatches: int, microbatches: int
         for i in range(r):
             own: list[tuple[int, int | None]] = [(mb, None) for mb in range(i, minibatches, r)]
             lists.append(_one_f_one_b(own, warmup(replicas, s)))
+    return lists
+
+
+def two_bw_order(replicas: Sequence[int], minibatches: int, microbatches: int) -> Lists:
+    """1F1B over the stream of every microbatch of every minibatch, stage s warming up with n - s and no
+    flush between minibatches (PipeDream-2BW); replica i of a stage of r keeps the stage's order of
+    minibatches i, i+r, ..."""
+    n, m = len(replicas), microbatches
+    lists: Lists = []
+    for s, r in enumerate(replicas):
+        order = _one_f_one_b([_micro(mb, k, m) for mb in range(minibatches) for k in range(m)], n - s)
+        lists += [[a for a in order if a.mb % r == i] for i in range(r)]
     return lists
 
 
@@ -195,6 +214,32 @@ def step_sync(lists: Lists, replicas: Sequence[int]) -> Lists:
         return ([Action(START_SYNC, b.mb), Action(SYNC, b.mb)] if replicated else []) + [Action(UPDATE, b.mb)]
     return [_after_backwards(acts, functools.partial(extra, replicated=replicas[layout.stage_of(w)] > 1))
             for w, acts in enumerate(lists)]
+
+
+def deferred_sync(lists: Lists, replicas: Sequence[int], microbatches: int) -> Lists:
+    """2bw's sync pass: a stage on one worker updates after each minibatch's last backward (as
+    :func:`flush_sync` does); a replica starts the sync of its minibatch there (``A``) but waits for it and
+    updates (``S``, ``U``) only before the backward of its next minibatch. Meanwhile it runs the forwards
+    its other replicas' last backwards of the round wait for, and those forwards use the version before
+    the update anyway."""
+    layout = Layout(tuple(replicas))
+    out = flush_sync(lists, microbatches)
+    for w, acts in enumerate(lists):
+        if replicas[layout.stage_of(w)] == 1:
+            continue
+        started = _after_backwards(acts, lambda b: [Action(START_SYNC, b.mb)] if b.micro in (None, microbatches - 1)
+                                   else [])
+        seq: list[Action] = []
+        pending: int | None = None
+        for a in started:
+            if a.kind in (RECV_GRAD, BACKWARD) and pending is not None and a.mb != pending:
+                seq += [Action(SYNC, pending), Action(UPDATE, pending)]
+                pending = None
+            seq.append(a)
+            if a.kind == START_SYNC:
+                pending = a.mb
+        out[w] = seq + ([Action(SYNC, pending), Action(UPDATE, pending)] if pending is not None else [])
+    return out
 
 
 def stale_sync(lists: Lists, staleness: int) -> Lists:

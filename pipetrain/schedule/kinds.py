@@ -29,7 +29,8 @@ class PipelineSchedule:
     Class attributes (facts, not options):
         name: what ``schedule=`` says.
         flush: one update per minibatch after its last microbatch, no minibatch in flight across an
-            update (live weights); else an update after every backward (1F1B with weight versions).
+            update (live weights); else minibatches stay in flight across updates (1F1B with weight
+            versions: an update after every minibatch's last backward, its sync as ``sync_pass`` places it).
         replicable: stages may be replicated (round robin over replicas).
         looped: its workers hold several stages each, round robin (``workers=W`` beside ``stages``).
         weights: the run-time weight policy (:data:`pipetrain.runtime.weights.POLICIES`).
@@ -65,13 +66,13 @@ class PipelineSchedule:
         if minibatches % layout.rounds:
             raise ValueError(f"{minibatches} minibatches do not split evenly over replicas {list(replicas)}; "
                              f"use a multiple of {layout.rounds} so every replica joins every gradient sync")
-        lists = gen.p2p_pass(replicas, self.order(replicas, minibatches))
-        lists = self.sync_pass(lists, replicas)
+        lists = self.sync_pass(gen.p2p_pass(replicas, self.order(replicas, minibatches)), replicas)
         return Schedule(self.name, tuple(replicas), tuple(map(tuple, lists)), self.microbatches,
-                        gen.noam(replicas), stashes=self.weights == "stash")
+                        gen.noam(replicas), stashes=self.weights in ("stash", "double"),
+                        double_buffered=self.weights == "double")
 
     def sync_pass(self, lists: gen.Lists, replicas: Sequence[int]) -> gen.Lists:
-        """Where updates go: after a minibatch's last backward (flush), else after every backward."""
+        """Where each worker syncs and applies its gradients (``A``, ``S``, ``U``)."""
         return gen.flush_sync(lists, self.microbatches) if self.flush else gen.step_sync(lists, replicas)
 
     def check_layout(self, layout: Layout) -> None:
@@ -166,6 +167,44 @@ class Naive(PipelineSchedule):
 
     def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
         return gen.pipedream_order(replicas, minibatches)
+
+
+@dataclass(frozen=True)
+class TwoBW(PipelineSchedule):
+    """PipeDream-2BW (arXiv:2006.09503): 1F1B over every microbatch of every minibatch with no flush, and
+    two weight versions per stage. Minibatch t (1-based, of an epoch) takes every microbatch's gradient at
+    the weights after max(0, t-2) updates, at every stage, and update t applies minibatch t's mean
+    gradient: W_t = W_{t-1} - lr * grad f(W_{max(0,t-2)}). Replica i of a stage of r takes minibatches
+    i, i+r, ...; round q of them runs at the stage's weights after max(0, q-1) updates, each the mean
+    gradient of a round.
+
+    Args:
+        microbatches: slices per minibatch; at least the number of stages, so that a stage never holds
+            microbatches of more than two minibatches.
+    """
+
+    name: ClassVar[str] = "2bw"
+    flush: ClassVar[bool] = False
+    replicable: ClassVar[bool] = True
+    weights: ClassVar[str] = "double"
+    summary: ClassVar[str] = "1F1B over microbatches without a flush, two weight versions (PipeDream-2BW)"
+    microbatches: int = 1  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        check_count(self.microbatches, "microbatches")
+
+    def order(self, replicas: Sequence[int], minibatches: int) -> gen.Lists:
+        return gen.two_bw_order(replicas, minibatches, self.microbatches)
+
+    def sync_pass(self, lists: gen.Lists, replicas: Sequence[int]) -> gen.Lists:
+        return gen.deferred_sync(lists, replicas, self.microbatches)
+
+    def check_layout(self, layout: Layout) -> None:
+        super().check_layout(layout)
+        if self.microbatches < layout.num_stages:
+            n = layout.num_stages
+            raise ValueError(f"schedule '2bw' needs microbatches >= the number of stages ({n}), got "
+                             f"{self.microbatches}; use microbatches={n} or more (--microbatches {n})")
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,13 @@ class ReplicaAllreduce(GradSync):
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []  # (tensors, flat sum, work)
         self._bucket: list[torch.Tensor] = []
         self._bucket_bytes = 0
+        self._final = True  # the running backward completes a minibatch's gradient
         self.bytes_sent = 0  # estimated: a ring allreduce sends 2(r-1)/r of the tensor per worker
 
-    def watch(self, weights: Weights) -> None:
-        """Start an allreduce for each of ``weights`` as soon as its gradient is accumulated."""
+    def watch(self, weights: Weights, final: bool = True) -> None:
+        """Start an allreduce for each of ``weights`` as soon as its gradient is accumulated, in the
+        ``final`` backward of a minibatch (when its gradient is whole)."""
+        self._final = final
         for t in weights.values():
             # a mark on the tensor, not its id(): ids of dropped stashes are reused
             if t.requires_grad and getattr(t, "_pipetrain_sync", None) is not self:
@@ -66,6 +69,8 @@ class ReplicaAllreduce(GradSync):
 
     def _start(self, t: torch.Tensor) -> None:
         assert t.grad is not None
+        if not self._final:
+            return
         if self._bucket and self._bucket[0].grad.dtype != t.grad.dtype:  # type: ignore[union-attr]
             self._flush()  # a bucket holds one dtype
         self._bucket.append(t)

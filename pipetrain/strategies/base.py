@@ -58,8 +58,9 @@ class GradSync:
         """The module the worker calls (a synchronizer may wrap it, as DDP does)."""
         return module
 
-    def watch(self, weights: Weights) -> None:
-        """Called before a backward with the weights it will use."""
+    def watch(self, weights: Weights, final: bool = True) -> None:
+        """Called before a backward with the weights it will use; ``final``: the backward of a minibatch's
+        last microbatch (an earlier one only adds its part to the gradient)."""
 
     def start(self, mb: int, weights: Weights) -> None:
         """At ``A``: minibatch ``mb``'s gradient is complete on ``weights``' ``.grad``."""
