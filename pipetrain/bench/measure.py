@@ -164,7 +164,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "counted_bytes_per_sample": [r["counted_bytes_per_sample"] for r in results],
         "iface_bytes_per_sample": [r["iface_bytes_per_sample"] for r in results],
         **{k: first[k] for k in ("stages", "replicas", "plan", "predicted_samples_per_s", "breakdown", "ring_s",
-                                 "chunks", "search")
+                                 "chunks", "search", "weight_versions")
            if k in first},
     }
 

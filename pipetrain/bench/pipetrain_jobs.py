@@ -79,7 +79,8 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
     iface = cfg.interface()
     sampler = TxSampler(iface) if iface else None
     layout: dict[str, Any] = {k: options[k] for k in ("stages", "bandwidth") if k in options}
-    if options.get("strategy", "pipeline") != "pipeline" or options.get("stages") == "auto":
+    if options.get("strategy", "pipeline") != "pipeline" or options.get("stages") == "auto" or \
+            (schedule is not None and schedule.looped):
         layout["workers"] = int(os.environ["WORLD_SIZE"])  # explicit stages place the workers
     try:
         result = pipetrain.train(
@@ -114,6 +115,7 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
         "predicted_samples_per_s": result.predicted_samples_per_s,
         "ring_s": statistics.median(rings) if (rings := result.sync_stats[rank].get("ring_seconds")) else None,
         "chunks": result.sync_stats[rank].get("chunks"), "search": result.sync_stats[rank].get("search"),
+        "weight_versions": result.weight_versions,
     }
     if trace:
         out["breakdown"] = [{k: v / (cfg.windows * spw) for k, v in seconds_by_kind(t, edges[0], edges[-1]).items()}

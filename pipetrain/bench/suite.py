@@ -32,7 +32,7 @@ from pipetrain.bench.pipetrain_jobs import pipetrain_job
 from pipetrain.bench.predictions import choose_auto, predict_systems, profile_here
 from pipetrain.bench.report import build_report, judge_auto, judge_target
 from pipetrain.bench.stages import stage_times
-from pipetrain.bench.systems import MICROBATCHED, PIPE_SGD, SuiteConfig, microbatch_counts
+from pipetrain.bench.systems import LOOPED, MICROBATCHED, PIPE_SGD, STAGES_PER_WORKER, SuiteConfig, microbatch_counts
 from pipetrain.bench.torch_peers import ddp, ps_sync, torch_pipeline
 from pipetrain.errors import first_line
 from pipetrain.planning import Plan, plan
@@ -105,6 +105,11 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
             pd_plan, breakdown = s["plan"], s.get("breakdown")
     split, source = _choose_split(cfg, peer, pd_plan)
     log(f"split for the other pipelines: {split} ({source})")
+    looped_split = _straight_plan(cfg, peer, STAGES_PER_WORKER).boundaries if any(s in LOOPED for s in cfg.systems) \
+        else []
+    if looped_split:
+        log(f"split for {' and '.join(s for s in LOOPED if s in cfg.systems)}: {looped_split} (the planner's best "
+            f"straight pipeline of {STAGES_PER_WORKER * cfg.workers} stages)")
     for system in cfg.systems:
         if system == "pipedream":
             continue
@@ -120,12 +125,12 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
         if system == "cgdp":
             job(system, 1, pipetrain_job, (peer, system, {"strategy": "cgdp", "chunk": "auto"}))
             continue
-        for m in microbatch_counts(system, cfg, len(split)):
+        on = looped_split if system in LOOPED else split
+        for m in microbatch_counts(system, cfg, cfg.workers):
             if system.startswith("torch-"):
-                job(system, m, torch_pipeline, (peer, split, m, system.removeprefix("torch-")))
+                job(system, m, torch_pipeline, (peer, on, m, system.removeprefix("torch-")))
             else:
-                job(system, m, pipetrain_job,
-                    (peer, system, {"schedule": system, "stages": split, "microbatches": m}))
+                job(system, m, pipetrain_job, (peer, system, {"schedule": system, "stages": on, "microbatches": m}))
     pd_split = runs["pipedream"][1]["stages"] if "pipedream" in runs else split
     log(f"measuring each stage of {pd_split} alone ({cfg.threads} thread(s), median of {cfg.bound_repeats})")
     stages = stage_times(peer, pd_split, repeats=cfg.bound_repeats)
@@ -160,6 +165,7 @@ def _choose_split(cfg: SuiteConfig, peer: PeerConfig, pd_plan: dict[str, Any] | 
     return straight.boundaries, f"{why}; the planner's best straight pipeline for the same profile"
 
 
-def _straight_plan(cfg: SuiteConfig, peer: PeerConfig) -> Plan:
-    """Profile here (the workers' thread count, first minibatch) and plan one worker per stage."""
-    return plan(profile_here(cfg, peer, cfg.batch_size), cfg.workers, cfg.link, straight=True)
+def _straight_plan(cfg: SuiteConfig, peer: PeerConfig, per_worker: int = 1) -> Plan:
+    """Profile here (the workers' thread count, first minibatch) and plan ``per_worker`` stages per worker
+    as a straight pipeline of that many."""
+    return plan(profile_here(cfg, peer, cfg.batch_size), cfg.workers * per_worker, cfg.link, straight=True)

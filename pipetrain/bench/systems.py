@@ -13,8 +13,15 @@ when it runs the cluster has ``workers + 1`` hosts and every other system uses t
 ``gpipe``           pipetrain, all forwards then all backwards of the microbatches, then one update
 ``model-parallel``  pipetrain, one minibatch in the pipeline at a time
 ``ddp``             ``DistributedDataParallel``, BSP over gloo (each worker takes batch / workers)
+``zero-bubble``     pipetrain, ZB-H1: 1F1B with each backward split into its input and weight gradients
+``2bw``             pipetrain, PipeDream-2BW: 1F1B over every microbatch without a flush, two weight
+                    versions per stage
+``interleaved-1f1b``  pipetrain, two stages per worker (stage s on worker s mod W), 1F1B over the
+                    microbatches, then one update; on the split of the stages' planner for 2W workers
 ``torch-1f1b``      ``torch.distributed.pipelining.Schedule1F1B``
 ``torch-gpipe``     ``torch.distributed.pipelining.ScheduleGPipe``
+``torch-zero-bubble``  ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P: zero bubble's ZB-H1)
+``torch-interleaved-1f1b``  ``ScheduleInterleaved1F1B`` on the same 2W stages as ``interleaved-1f1b``
 ``pipe-sgd``        pipetrain's Pipe-SGD (K = 2); ``pipe-sgd-trunc16`` and ``pipe-sgd-quant8`` with
                     that codec inside its ring allreduce
 ``ddp-fp16``        only when named: ``ddp`` with gradients compressed to fp16 (``fp16_compress_hook``)
@@ -33,13 +40,22 @@ from pipetrain.bench.measure import PeerConfig
 
 PIPE_SGD = {"pipe-sgd": None, "pipe-sgd-trunc16": "trunc16", "pipe-sgd-quant8": "quant8"}
 """pipetrain's Pipe-SGD (K = 2) with each codec inside its ring allreduce."""
-SYSTEMS = ("pipedream", "1f1b-flush", "gpipe", "model-parallel", "ddp", "torch-1f1b", "torch-gpipe", *PIPE_SGD)
+SYSTEMS = ("pipedream", "1f1b-flush", "gpipe", "model-parallel", "zero-bubble", "2bw", "interleaved-1f1b", "ddp",
+           "torch-1f1b", "torch-gpipe", "torch-zero-bubble", "torch-interleaved-1f1b", *PIPE_SGD)
 EXTRA_SYSTEMS = ("ddp-fp16", "ps-sync", "cgdp")
 """Run only when named in ``systems``: DDP with ``fp16_compress_hook``; a parameter server; pipetrain's
 CGDP (a one-machine method: run it with ``--loopback``; on the emulated cluster each host is a machine
 of one worker and the hosts add their sums hierarchically)."""
-MICROBATCHED = ("1f1b-flush", "gpipe", "torch-1f1b", "torch-gpipe")
-ONE_F_ONE_B = ("1f1b-flush", "torch-1f1b")  # need at least one microbatch per stage
+MICROBATCHED = ("1f1b-flush", "gpipe", "zero-bubble", "2bw", "interleaved-1f1b", "torch-1f1b", "torch-gpipe",
+                "torch-zero-bubble", "torch-interleaved-1f1b")
+ONE_F_ONE_B = ("1f1b-flush", "2bw", "torch-1f1b", "torch-zero-bubble", "torch-interleaved-1f1b")
+"""Need at least one microbatch per worker."""
+LOOPED = ("interleaved-1f1b", "torch-interleaved-1f1b")
+"""Run on STAGES_PER_WORKER stages per worker, placed round robin."""
+STAGES_PER_WORKER = 2
+TWINS = {"1f1b-flush": "torch-1f1b", "gpipe": "torch-gpipe", "zero-bubble": "torch-zero-bubble",
+         "interleaved-1f1b": "torch-interleaved-1f1b"}
+"""Each pipetrain schedule and torch's schedule of the same order, on the same stages."""
 AUTO_SYSTEM = {"pipeline": "pipedream"}
 """The system that measures a ``strategy="auto"`` candidate, where its name differs."""
 
@@ -113,13 +129,13 @@ QUICK = {"warmup": 2, "windows": 3, "steps_per_window": 2, "bound_repeats": 5}
 """``--quick``: fewer and shorter windows (about 4 minutes for vgg-like on a 2-core machine)."""
 
 
-def microbatch_counts(system: str, cfg: SuiteConfig, n_stages: int) -> list[int]:
+def microbatch_counts(system: str, cfg: SuiteConfig, n_workers: int) -> list[int]:
     """Microbatch counts ``system`` runs at: every asked count that splits the batch (and, for 1F1B,
-    gives each stage one)."""
+    gives each worker one)."""
     if system not in MICROBATCHED:
         return [1]
-    ok = [m for m in cfg.microbatches if cfg.batch_size % m == 0 and (system not in ONE_F_ONE_B or m >= n_stages)]
+    ok = [m for m in cfg.microbatches if cfg.batch_size % m == 0 and (system not in ONE_F_ONE_B or m >= n_workers)]
     if not ok:
         raise ValueError(f"{system}: none of microbatches={list(cfg.microbatches)} divides batch_size="
-                         f"{cfg.batch_size}{' and is at least the stage count' if system in ONE_F_ONE_B else ''}")
+                         f"{cfg.batch_size}{' and is at least the worker count' if system in ONE_F_ONE_B else ''}")
     return ok

@@ -206,14 +206,24 @@ def _choose(args: argparse.Namespace, profile: Profile) -> None:
         raise ValueError("--strategies predicts and picks a strategy; drop -o, --straight, --memory, "
                          "--workers-per-server and --fewer-workers (plan the pipeline alone without --strategies)")
     _know_batch_size(args, profile)
-    names = None if args.strategies == "all" else [n.strip() for n in args.strategies.split(",") if n.strip()]
     choice = choose_strategy(profile, args.workers, args.bandwidth, batch_size=args.batch_size,
-                             one_machine=args.one_machine, allow_compression=args.allow_compression, strategies=names)
-    if args.json:
+                             one_machine=args.one_machine, allow_compression=args.allow_compression,
+                             strategies=_names(args.strategies))
+    _show(choice, args.json)
+
+
+def _names(text: str) -> list[str] | None:
+    """``all`` -> None (every one), else the comma-separated names."""
+    return None if text == "all" else [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _show(choice: Any, as_json: bool) -> None:
+    """A choice (strategies' or schedules') as one JSON object, or its table and reason."""
+    if as_json:
         print(json.dumps(choice.to_dict()))
-        return
-    print(choice.table())
-    print(choice.reason)
+    else:
+        print(choice.table())
+        print(choice.reason)
 
 
 def _schedules(args: argparse.Namespace, profile: Profile) -> None:
@@ -222,17 +232,12 @@ def _schedules(args: argparse.Namespace, profile: Profile) -> None:
         raise ValueError("--schedules plans each schedule's stages itself; drop --straight, --workers-per-server, "
                          "--fewer-workers, --allow-compression and --one-machine")
     _know_batch_size(args, profile)
-    names = None if args.schedules == "all" else [n.strip() for n in args.schedules.split(",") if n.strip()]
     choice = choose_schedule(profile, args.workers, args.bandwidth, args.batch_size, memory=args.memory,
-                             schedules=names, recompute=True if args.recompute else None)
+                             schedules=_names(args.schedules), recompute=True if args.recompute else None)
     if args.output:
         choice.plan.save(args.output)
-    if args.json:
-        print(json.dumps(choice.to_dict()))
-        return
-    print(choice.table())
-    print(choice.reason)
-    if args.output:
+    _show(choice, args.json)
+    if args.output and not args.json:
         c = choice.chosen
         print(f"wrote {args.output} (run it with --schedule {c.schedule}"
               + (f" --microbatches {c.microbatches}" if c.microbatches > 1 else "")
