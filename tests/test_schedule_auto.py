@@ -54,6 +54,14 @@ def test_memory_counts_weights_versions_and_the_activations_in_flight():
         assert got["pipedream"].memory_bytes == pytest.approx((1 + 2 + 2 * 3) * MB)
 
 
+def test_2bw_holds_its_live_weights_and_two_versions():
+    choice = choose_schedule(two_layers(), 2, "100Gbit", minibatches=8, schedules=["2bw"])
+    row = rows(choice)["2bw m=2"]
+    # stage 0 keeps its 1 MB of weights 3 times (live, newest copy, the one before) and both microbatches
+    # of 1.5 MB in flight
+    assert row.config == "1-1" and row.memory_bytes == pytest.approx(3 * MB + 2 * 1.5 * MB)
+
+
 def test_a_memory_limit_leaves_out_what_does_not_fit_and_recomputation_can_bring_it_back():
     profile = two_layers()
     # 1f1b-flush m=8 holds 2 of 8 microbatches at stage 0 (1 + 0.75 MB); gpipe m=8 all 8 (stage 1: 1 + 4 MB)

@@ -133,7 +133,7 @@ def worker_memory(profile: Profile, chosen: Plan, schedule: PipelineSchedule, si
     out = []
     for w, stages in enumerate(held_by):
         weights = sum(per_stage[s].parameter_bytes *
-                      (1 + (sim.peak_weight_versions[w] if schedule.policy(layout, s) in ("stash", "vertical") else 0))
+                      (1 + (sim.peak_weight_versions[w] if schedule.policy(layout, s) in COPIES else 0))
                       for s in stages)
         held = sim.peak_activation_bytes[w]
         stash = max(per_stage[s].stash_bytes for s in stages) / m
@@ -142,6 +142,9 @@ def worker_memory(profile: Profile, chosen: Plan, schedule: PipelineSchedule, si
         out.append(weights + held)
     return out
 
+
+COPIES = ("stash", "vertical", "double")
+"""The weight policies that keep copies of versions beside the live weights, one per version held."""
 
 STAGES_PER_WORKER = 2
 """How many stages each worker holds when a looped schedule (``interleaved-1f1b``) is priced."""
