@@ -179,7 +179,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             assert workers is not None
             picked, plan, predicted, recompute = auto.plan_schedule(training, run, workers, bandwidth, phases,
                                                                     memory_limit)
-            training = replace(training, recompute=recompute)
+            if recompute != training.recompute:  # a fresh Training checks the dataset again
+                training = replace(training, recompute=recompute)
         picked = (picked or as_schedule(DEFAULT_SCHEDULE)).placed(workers)
         captured = time.perf_counter()
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))

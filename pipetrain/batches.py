@@ -10,7 +10,7 @@ as one positional argument, as it always has.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -114,6 +114,18 @@ def to_device(value: Any, device: torch.device) -> Any:
     """A collated value (a tensor, or nested tuples, lists or dicts of tensors; anything else kept) on
     ``device``."""
     return map_tensors(value, lambda t: t.to(device))
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """``numel * element_size`` summed over ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a nested tuple, list or dict, in order."""
+    found: list[torch.Tensor] = []
+    map_tensors(value, found.append)
+    return found
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -60,10 +60,15 @@ def aligned(traces: Traces, offsets: Sequence[float] | None = None) -> list[list
         ValueError: ``offsets`` does not have one entry per rank.
     """
     if offsets is None:
-        offsets = [min((s for _, s, _ in t), default=0.0) for t in traces]
+        offsets = first_starts(traces)
     if len(offsets) != len(traces):
         raise ValueError(f"{len(offsets)} offsets for {len(traces)} ranks; give one per rank")
     return [[(text, s - off, e - off) for text, s, e in t] for t, off in zip(traces, offsets)]
+
+
+def first_starts(traces: Traces) -> list[float]:
+    """Each rank's first start (0 for a rank without records): the default offsets of :func:`aligned`."""
+    return [min((s for _, s, _ in t), default=0.0) for t in traces]
 
 
 def _names(traces: Traces, names: Sequence[str] | None) -> list[str]:
@@ -96,7 +101,7 @@ def write_chrome_trace(traces: Traces, path: str | os.PathLike, names: Sequence[
     """
     events: list[dict[str, object]] = []
     if offsets is None:
-        offsets = [min((s for _, s, _ in t), default=0.0) for t in traces]
+        offsets = first_starts(traces)
     for r, (name, records) in enumerate(zip(_names(traces, names), aligned(traces, offsets))):
         events.append({"name": "process_name", "ph": "M", "pid": r, "tid": r, "args": {"name": name}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": r, "args": {"sort_index": r}})

@@ -21,21 +21,24 @@ first and its pick is judged against the runs (:func:`pipetrain.bench.report.jud
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from pipetrain.bench import cluster
-from pipetrain.bench.measure import PeerConfig, summarize
+from pipetrain.bench.measure import summarize
 from pipetrain.bench.pipetrain_jobs import pipetrain_job
 from pipetrain.bench.predictions import choose_auto, predict_systems, profile_here
 from pipetrain.bench.report import build_report, judge_auto, judge_target
 from pipetrain.bench.stages import stage_times
-from pipetrain.bench.systems import LOOPED, MICROBATCHED, PIPE_SGD, STAGES_PER_WORKER, SuiteConfig, microbatch_counts
+from pipetrain.bench.systems import LOOPED, MICROBATCHED, PIPE_SGD, SuiteConfig, microbatch_counts
 from pipetrain.bench.torch_peers import ddp, ps_sync, torch_pipeline
 from pipetrain.errors import first_line
 from pipetrain.planning import Plan, plan
+from pipetrain.planning.schedules import STAGES_PER_WORKER
+from pipetrain.profiling import Profile
 from pipetrain.setup import Launcher
 from pipetrain.runtime.launch import keep_freed_memory, spawn
 
@@ -103,9 +106,10 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
         s = job("pipedream", 1, pipetrain_job, (peer, "pipedream", auto, True))
         if s:
             pd_plan, breakdown = s["plan"], s.get("breakdown")
-    split, source = _choose_split(cfg, peer, pd_plan)
+    profile = functools.cache(lambda: profile_here(cfg, peer, cfg.batch_size))  # taken once, if a split needs it
+    split, source = _choose_split(cfg, pd_plan, profile)
     log(f"split for the other pipelines: {split} ({source})")
-    looped_split = _straight_plan(cfg, peer, STAGES_PER_WORKER).boundaries if any(s in LOOPED for s in cfg.systems) \
+    looped_split = _straight_plan(cfg, profile(), STAGES_PER_WORKER).boundaries if any(s in LOOPED for s in cfg.systems) \
         else []
     if looped_split:
         log(f"split for {' and '.join(s for s in LOOPED if s in cfg.systems)}: {looped_split} (the planner's best "
@@ -150,8 +154,10 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
     return report
 
 
-def _choose_split(cfg: SuiteConfig, peer: PeerConfig, pd_plan: dict[str, Any] | None) -> tuple[list[int], str]:
-    """The split every pipeline but pipedream runs on, and a phrase saying where it came from."""
+def _choose_split(cfg: SuiteConfig, pd_plan: dict[str, Any] | None,
+                  profile: Callable[[], Profile]) -> tuple[list[int], str]:
+    """The split every pipeline but pipedream runs on, and a phrase saying where it came from
+    (``profile``: the model profiled here, taken when needed)."""
     if cfg.stages is not None:
         return list(cfg.stages), "given with --stages"
     if pd_plan is not None:
@@ -161,11 +167,11 @@ def _choose_split(cfg: SuiteConfig, peer: PeerConfig, pd_plan: dict[str, Any] | 
         why = f"pipedream's automatic plan replicates stages (config {p.config})"
     else:
         why = "pipedream was not run"
-    straight = _straight_plan(cfg, peer)
+    straight = _straight_plan(cfg, profile())
     return straight.boundaries, f"{why}; the planner's best straight pipeline for the same profile"
 
 
-def _straight_plan(cfg: SuiteConfig, peer: PeerConfig, per_worker: int = 1) -> Plan:
-    """Profile here (the workers' thread count, first minibatch) and plan ``per_worker`` stages per worker
-    as a straight pipeline of that many."""
-    return plan(profile_here(cfg, peer, cfg.batch_size), cfg.workers * per_worker, cfg.link, straight=True)
+def _straight_plan(cfg: SuiteConfig, profile: Profile, per_worker: int = 1) -> Plan:
+    """``per_worker`` stages per worker as the best straight pipeline of that many, from ``profile`` (taken
+    here with the workers' thread count, on the first minibatch)."""
+    return plan(profile, cfg.workers * per_worker, cfg.link, straight=True)

@@ -51,8 +51,7 @@ MICROBATCHED = ("1f1b-flush", "gpipe", "zero-bubble", "2bw", "interleaved-1f1b",
 ONE_F_ONE_B = ("1f1b-flush", "2bw", "torch-1f1b", "torch-zero-bubble", "torch-interleaved-1f1b")
 """Need at least one microbatch per worker."""
 LOOPED = ("interleaved-1f1b", "torch-interleaved-1f1b")
-"""Run on STAGES_PER_WORKER stages per worker, placed round robin."""
-STAGES_PER_WORKER = 2
+"""Run on :data:`pipetrain.planning.schedules.STAGES_PER_WORKER` stages per worker, placed round robin."""
 TWINS = {"1f1b-flush": "torch-1f1b", "gpipe": "torch-gpipe", "zero-bubble": "torch-zero-bubble",
          "interleaved-1f1b": "torch-interleaved-1f1b"}
 """Each pipetrain schedule and torch's schedule of the same order, on the same stages."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipetrain.layers import LayeredModel
 from pipetrain.profiling.profile import LayerProfile, Profile
-from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, call, collate_parts, map_tensors
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, call, collate_parts, map_tensors, tensor_bytes, tensors_of
 
 
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -62,7 +62,7 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     if loss_fn is not None and not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
         raise ValueError("with loss_fn, sample_batch must be an (input, target) pair")
     value, target = sample_batch if loss_fn is not None else (sample_batch, None)
-    inputs = _tensors(value)
+    inputs = tensors_of(value)
     if not inputs:
         raise ValueError("sample_batch holds no tensors; pass one minibatch of model input")
     if inputs[0].dim() and inputs[0].shape[0] == 0:
@@ -140,7 +140,7 @@ def _kind(stage: nn.Module, x: Any) -> tuple[Any, ...]:
     its input's shapes (a graph layer's operator is in its code)."""
     code = stage.code if isinstance(stage, torch.fx.GraphModule) else ""
     return (code, tuple(type(m).__name__ for m in stage.modules()), tuple(p.shape for p in stage.parameters()),
-            tuple(t.shape for t in _tensors(x)))
+            tuple(t.shape for t in tensors_of(x)))
 
 
 def _runs(first_s: float, repeats: int, warmup: int, seconds: float | None) -> tuple[int, int]:
@@ -159,7 +159,7 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
     """(median forward s, median backward s, median seconds of the backward's weight-gradient part, the
     output detached) of one layer; the part is the backward less one of the inputs' gradient alone."""
     params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
-    cuda = any(t.is_cuda for t in _tensors(x)) or any(p.is_cuda for p in params)
+    cuda = any(t.is_cuda for t in tensors_of(x)) or any(p.is_cuda for p in params)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     forward: list[float] = []
     backward: list[float] = []
@@ -175,13 +175,13 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
         head = y if loss is None else loss(y)
         sync()
         t1 = time.perf_counter()
-        roots = [t for t in _tensors(head) if t.requires_grad]
-        into = [t for t in _tensors(leaves) if t.requires_grad]
+        roots = [t for t in tensors_of(head) if t.requires_grad]
+        into = [t for t in tensors_of(leaves) if t.requires_grad]
         seeds = [torch.ones_like(t) for t in roots]
         split = bool(roots and into and params)
+        wrt = into + params
         sync()
         t2 = time.perf_counter()
-        wrt = into + params
         if roots and wrt:
             torch.autograd.grad(roots, wrt, seeds, allow_unused=True, retain_graph=split)
         sync()
@@ -239,13 +239,5 @@ def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optim
     return statistics.median(times)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of a nested tuple/list/dict, in order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
-    return [t for v in items for t in _tensors(v)]
-
-
 def _nbytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+    return tensor_bytes(tensors_of(value))

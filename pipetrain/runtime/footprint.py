@@ -19,11 +19,6 @@ from typing import Any
 import torch
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """``numel * element_size`` summed over ``tensors``."""
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @dataclass
 class Saved:
     """The bytes autograd saved while a :func:`saved` block ran (its weights left out)."""

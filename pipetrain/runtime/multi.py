@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from pipetrain.runtime.transport import Message, Transport
@@ -44,8 +45,7 @@ class StageChannel:
         self.transport, self.stage, self.workers = transport, stage, workers
 
     def send(self, peer: int, msg: Message) -> None:
-        self.transport.send(peer % self.workers, Message(msg.mb, msg.micro, msg.version, msg.tensors, msg.is_tuple,
-                                                         msg.channel, min(peer, self.stage)))
+        self.transport.send(peer % self.workers, replace(msg, cut=min(peer, self.stage)))
 
     def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0) -> Message:
         return self.transport.recv(peer % self.workers, mb, micro, f"{what} of stage {self.stage}", channel,

@@ -33,6 +33,7 @@ from torch import nn
 
 from pipetrain.config import Tie
 from pipetrain.layout import Layout
+from pipetrain.batches import tensor_bytes
 from pipetrain.runtime.transport import Channel, Message
 
 GRADIENTS, VALUES = 1, 2
@@ -110,7 +111,7 @@ class TiedCopies:
 
     def stashed_bytes(self) -> int:
         """Bytes of the versions of the tied parameters this stage holds (its copies, the newest included)."""
-        return sum(t.numel() * t.element_size() for versions in self._versions.values() for t in versions.values())
+        return sum(len(versions) * tensor_bytes([self.live[n]]) for n, versions in self._versions.items())
 
     def weights(self, mb: int, version: int) -> dict[str, torch.Tensor]:
         """The tied parameters for the forward of ``mb``, whose input stage ran at ``version``: for

@@ -20,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -169,7 +169,7 @@ class Transport:
             self._raise(peer, f"sending minibatch {msg.mb}")
         tensors = [t.detach().contiguous() for t in msg.tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        self._out[peer].put(Message(msg.mb, msg.micro, msg.version, tensors, msg.is_tuple, msg.channel, msg.cut))
+        self._out[peer].put(replace(msg, tensors=tensors))
 
     def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0, cut: int = -1) -> Message:
         """Wait for (mb, micro) from ``peer`` on ``channel`` (the cut's channel carries one kind per

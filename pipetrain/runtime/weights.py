@@ -28,6 +28,8 @@ from collections.abc import Collection, Iterable
 import torch
 from torch import nn
 
+from pipetrain.batches import tensor_bytes
+
 Weights = dict[str, torch.Tensor]
 
 
@@ -86,6 +88,7 @@ class Stashing(Live):
         self._newest: tuple[int, Weights] | None = None  # (version, copy) shared while unchanged
         self._free: list[Weights] = []
         self._at: dict[int, int] = {}  # mb in flight -> the version its forward ran at
+        self._copy_bytes = tensor_bytes(self.params.values())  # every copy is of the live weights' shapes
 
     def _copy(self) -> Weights:
         if self._free:
@@ -107,8 +110,7 @@ class Stashing(Live):
         return self._stash[mb]
 
     def stashed_bytes(self) -> int:
-        held = {id(w): w for w in self._held()}
-        return sum(t.numel() * t.element_size() for w in held.values() for t in w.values())
+        return len({id(w) for w in self._held()}) * self._copy_bytes
 
     def _held(self) -> list[Weights]:
         """The copies in use (some more than once)."""

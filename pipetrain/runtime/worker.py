@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from pipetrain.batches import call, map_tensors, microbatch, to_device
+from pipetrain.batches import call, microbatch, tensors_of, to_device
 from pipetrain.errors import one_line
 from pipetrain.layers import flatten, received, unflatten
 from pipetrain.runtime.footprint import Footprint, saved
@@ -253,7 +253,7 @@ class Worker:
     def _tasks(self, schedule: Schedule, batches: list[list[int]], epoch: int, evaluating: bool) -> list[Task]:
         """The minibatches this worker will build, in the order its forwards need them: its shard of
         each, the parts it uses (a worker that needs both fetches each item once); none in a middle stage."""
-        parts = (0,) * self._first + (1,) * self._last
+        parts = self._parts
         if not parts or not batches:
             return []
         i, r = self.shard
@@ -261,12 +261,17 @@ class Worker:
         order = dict.fromkeys(a.mb for a in schedule.actions[self.rank] if a.kind == "F")
         return [Task(mb, tuple(batches[mb][i * size:(i + 1) * size]), parts, epoch, evaluating) for mb in order]
 
+    @property
+    def _parts(self) -> tuple[int, ...]:
+        """The parts of each minibatch this worker uses: inputs (0) on the first stage, targets (1) on the last."""
+        return (0,) * self._first + (1,) * self._last
+
     def _batch(self, mb: int, part: int) -> Any:
         """Inputs (part 0) or targets (part 1) of minibatch ``mb``, collated once for all its
         microbatches and kept until its last backward."""
         key = (mb, part)
         if key not in self._collated:
-            parts = (0,) * self._first + (1,) * self._last
+            parts = self._parts
             with self._blame(f"collating the dataset's items into minibatch {mb}"):
                 try:
                     values = self.source.get(mb)
@@ -306,7 +311,7 @@ class Worker:
             weights = {**weights, **self.tied.weights(a.mb, self.policy.version_of(a.mb, tag))}
         replay = Replay.before_forward(weights, self.device) if self.recompute else None
         rerun = self.policy.recompute or self.recompute
-        kept = inputs if inputs or not rerun else _tensors(x)
+        kept = inputs if inputs or not rerun else tensors_of(x)
         with torch.set_grad_enabled(not rerun), saved(weights.values(), kept) as held:
             out = self._run(x, weights, a.mb)
         # a rerun copies received inputs from their leaves afresh: keep the leaves, not this forward's copies
@@ -315,8 +320,8 @@ class Worker:
         if self._last:
             target = microbatch(to_device(self._batch(a.mb, 1), self.device), a.micro, self._sched.microbatches)
             if not rerun:
-                with self._autocast(), saved(weights.values()) as more:
-                    flight.loss = self._loss(out, target, a.mb) / self._sched.microbatches
+                with saved(weights.values()) as more:
+                    flight.loss = self._micro_loss(out, target, a.mb)
                 held.nbytes += more.nbytes
             flight.raw_input = (x, target)
         else:
@@ -349,9 +354,13 @@ class Worker:
         with again, saved(weights.values()) as held:
             f.outputs = self._run(x, weights, a.mb)
             if self._last:
-                with self._autocast():
-                    f.loss = self._loss(f.outputs, f.raw_input[1], a.mb) / self._sched.microbatches
+                f.loss = self._micro_loss(f.outputs, f.raw_input[1], a.mb)
         self.footprint.rerun(held.nbytes, time.perf_counter())
+
+    def _micro_loss(self, out: Any, target: Any, mb: int) -> torch.Tensor:
+        """A microbatch's share of the minibatch's loss (under autocast with bf16)."""
+        with self._autocast():
+            return self._loss(out, target, mb) / self._sched.microbatches
 
     def _backward(self, a: Action) -> None:
         """A whole backward (``B``), or its input-gradient part (``I``), whose weight-gradient part
@@ -470,13 +479,6 @@ def append_json(path: Path, record: dict[str, Any]) -> None:
     """Append ``record`` to a JSON-lines file."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a collated value."""
-    found: list[torch.Tensor] = []
-    map_tensors(value, found.append)
-    return found
 
 
 def _shapes(value: Any) -> Any:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from pipetrain import costs
 from pipetrain.layout import Layout
 from pipetrain.schedule import generators as gen
 from pipetrain.schedule import interleaved
@@ -101,7 +102,7 @@ class PipelineSchedule:
     def in_flight(self, replicas: int, workers_to_output: int) -> int:
         """(Micro)batches a worker of the stage holds between their forward and backward at most: 1F1B's
         ceil(workers_to_output / replicas) (NOAM at the input stage)."""
-        return gen.warmup((replicas, workers_to_output - replicas), 0)
+        return costs.in_flight(replicas, workers_to_output)
 
     def weight_versions(self, replicas: int, workers_to_output: int) -> int:
         """Weight versions a worker of the stage stashes beside its live weights: one per minibatch in
