@@ -26,6 +26,8 @@ from pipetrain.runtime import checkpoint
 from pipetrain.runtime.job import Start, metrics_log, run_rank
 from pipetrain.runtime.dist import check_backend, local_workers
 from pipetrain.runtime.launch import spawn, under_torchrun
+from pipetrain.runtime.outcome import RankResult
+from pipetrain.runtime.parts import Source, parts_for
 
 AUTO = "auto"
 """What ``stages``, ``strategy`` and ``schedule`` say to be planned, chosen or picked here."""
@@ -170,6 +172,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         assert workers is not None
         auto_pick = auto.choose(training, run, workers, bandwidth, chosen.allow_compression)
         chosen, picked, stages, choice = auto_pick.strategy, auto_pick.schedule, auto_pick.plan, auto_pick.choice
+    layers: LayeredModel | None = None
     if chosen.data_parallel:
         assert workers is not None
         cfg = JobConfig(training, run, chosen, None, Layout.data_parallel_on(workers))
@@ -191,7 +194,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
         cfg = JobConfig(training, run, chosen, picked, layout, layers)
-    result = _launch(cfg, started, restarted)
+    result = _launch(cfg, layers, started, restarted)
     result.plan, result.choice, result.phases = plan, choice, {**phases, **result.phases}
     result.predicted_samples_per_s = choice["predictions"][choice["choice"]] if choice else predicted
     return result
@@ -232,10 +235,18 @@ SILENT_AFTER_S = 20.0
 shorter) is declared silent (stopped, hung), before a peer's ``timeout`` would blame its neighbour."""
 
 
-def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
+def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restarted: int) -> TrainResult:
     """Run the job from where its checkpoints let it resume; when a worker dies or goes silent, start
-    every worker again from the newest epoch all of them saved, up to ``max_restarts`` times."""
+    every worker again from the newest epoch all of them saved, up to ``max_restarts`` times. Each
+    worker is sent only its own stages, cut from ``layers`` (None: data parallelism, the whole model)."""
     _preflight(cfg)
+    model, source, shipped = cfg.training.model, Source.of(cfg.training.model, None, cfg.training.seed), \
+        cfg.without_model()
+
+    def args(rank: int) -> tuple[Any, ...]:
+        stages = cfg.stages_of(rank, len(layers)) if layers is not None else []
+        return shipped, start, parts_for(layers, model, stages, source), source
+
     name = cfg.worker_name
     start = Start(restarted, _kept_epoch(cfg) if cfg.run.resume else None)
     if cfg.run.resume and start.resume_from is None:
@@ -250,8 +261,8 @@ def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
             return _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
         try:
             launched = time.perf_counter()
-            parts = run_rank(cfg, start)["parts"] if under_torchrun() else spawn(
-                run_rank, cfg.world, (cfg, start), describe=name,
+            parts = run_rank(*args(int(os.environ["RANK"])))["parts"] if under_torchrun() else spawn(
+                run_rank, cfg.world, args, describe=name,
                 silent_after=min(cfg.run.timeout / 2, SILENT_AFTER_S), log_dir=cfg.run.checkpoint_dir)
             break
         except PipetrainError as e:
@@ -267,10 +278,11 @@ def _launch(cfg: JobConfig, started: float, restarted: int) -> TrainResult:
                  "restarts)" if kept is not None else f"{e}; restarting every worker from the start "
                  f"({len(restarts)} of {cfg.run.max_restarts} restarts)")
             start = Start(start.attempt + 1, kept)
-    result = gather(cfg.training.model, parts, name, since_epoch=first_epoch)
+    reports = [RankResult(**part) for part in parts]
+    result = gather(cfg.training.model, reports, name, since_epoch=first_epoch)
     result.started, result.restarts, result.epochs_trained = started, restarts, cfg.training.epochs - first_epoch
     if not under_torchrun() and result.history:  # the workers share this process's clock
-        ready = max(part["ready"] for part in parts)
+        ready = max(part.ready for part in reports)
         result.phases = {"start_s": ready - launched, "first_update_s": result.history[0]["time"] - ready}
     if cfg.run.trace_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         what = f"{cfg.strategy.name}, {cfg.world} workers" if cfg.data_parallel else \

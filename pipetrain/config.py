@@ -10,6 +10,7 @@ to do. Nothing here creates directories or reads checkpoints: that is the launch
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field
@@ -26,6 +27,7 @@ from pipetrain.layout import Layout
 from pipetrain.planning import Plan
 from pipetrain.registry import Auto, PipelineSchedule, Strategy
 from pipetrain.runtime import checkpoint
+from pipetrain.runtime.parts import aliases
 from pipetrain.runtime.dist import BACKENDS, local_workers
 from pipetrain.schedule import Schedule
 
@@ -169,6 +171,11 @@ class Tie:
 
     name: str  # the parameter's first name in the model
     stages: tuple[int, ...]
+    names: tuple[str, ...] = ()  # every name of it in the model, the first first
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            object.__setattr__(self, "names", (self.name,))
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,8 @@ class JobConfig:
             against it; made here when not given). An init-only argument: the configuration does not
             hold it, as every worker cuts its own copy of the model.
         ties: the parameters several stages read (found from ``layers``); () for data parallelism.
+        fingerprint: the model's (:func:`pipetrain.runtime.checkpoint.fingerprint`), taken once: a
+            worker is never sent the model.
     """
 
     training: Training
@@ -194,9 +203,11 @@ class JobConfig:
     layout: Layout
     layers: InitVar[LayeredModel | None] = None
     ties: tuple[Tie, ...] = field(default=(), init=False)
+    fingerprint: str = field(default="", init=False)
 
     def __post_init__(self, layers: LayeredModel | None) -> None:
         t, layout = self.training, self.layout
+        object.__setattr__(self, "fingerprint", checkpoint.fingerprint(t.model))
         if not isinstance(self.strategy, Strategy):
             raise ValueError(f"strategy {self.strategy!r} must be resolved to one strategy before the job is made")
         if self.strategy.data_parallel:
@@ -224,7 +235,8 @@ class JobConfig:
     def _check_stages(self, layers: LayeredModel) -> None:
         assert self.layout.boundaries is not None and self.schedule is not None
         check_boundaries(list(self.layout.boundaries), len(layers))
-        ties = tuple(Tie(name, tuple(stages)) for name, stages in
+        names = aliases(self.training.model)
+        ties = tuple(Tie(name, tuple(stages), names.get(name, (name,))) for name, stages in
                      layers.shared_parameters(list(self.layout.boundaries)).items())
         for tie in ties:
             replicated = [s for s in tie.stages if self.layout.replicas[s] > 1]
@@ -295,8 +307,22 @@ class JobConfig:
         """What a checkpoint must have been saved by to be resumed by this job."""
         layout = {"workers": self.world} if self.data_parallel else {
             "boundaries": list(self.layout.boundaries or ()), "replicas": list(self.layout.replicas)}
-        return {"model": checkpoint.fingerprint(self.training.model), "strategy": self.strategy.name,
+        return {"model": self.fingerprint, "strategy": self.strategy.name,
                 "world": self.world, "layout": layout}
+
+    def without_model(self) -> JobConfig:
+        """This configuration as it travels to a worker: without the model, whose stages travel on their own
+        (:mod:`pipetrain.runtime.parts`)."""
+        training, cfg = copy.copy(self.training), copy.copy(self)
+        object.__setattr__(training, "model", None)
+        object.__setattr__(cfg, "training", training)
+        return cfg
+
+    def stages_of(self, rank: int, num_layers: int) -> list[tuple[int, int, int]]:
+        """``(stage, first layer, last layer)`` of each stage ``rank`` holds (several for a looped schedule),
+        in a model of ``num_layers`` layers."""
+        stages = range(rank, self.layout.num_stages, self.world) if self.looped else [self.layout.stage_of(rank)]
+        return [(s, *self.layout.layer_range(s, num_layers)) for s in stages]
 
     def schedule_for(self, epoch: int, minibatches: int) -> Schedule:
         """The action lists of ``epoch``, with ``minibatches`` minibatches."""

@@ -42,7 +42,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from pipetrain.batches import KeywordInputs
+from pipetrain.batches import KeywordInputs, to_device
 from pipetrain.errors import one_line
 
 
@@ -82,6 +82,8 @@ class LayeredModel:
         paths: each layer's module path: the child's name, or the submodule a node came from ('' for
             the model's own forward).
         captured_by: ``"sequential"``, ``"fx"`` or ``"export"``.
+        device: where the model's tensors are (the meta device for a model built there), which
+            ``torch.export`` captures it on: the example minibatch is moved there first.
 
     Raises:
         LayerError: the model can be neither traced nor exported (the message names both failures), or
@@ -90,6 +92,10 @@ class LayeredModel:
 
     def __init__(self, model: nn.Module, example: Any = None) -> None:
         self.model = model
+        tensors = [*model.parameters(), *model.buffers()]
+        self.device = torch.device("meta") if any(t.is_meta for t in tensors) else \
+            tensors[0].device if tensors else torch.device("cpu")
+        example = to_device(example, self.device)
         self._graph: fx.Graph | None = None
         self._root: nn.Module = model
         self._saved: set[str] | None = None  # the model's state_dict keys, read at the first graph stage

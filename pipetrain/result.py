@@ -18,6 +18,7 @@ from torch import nn
 from pipetrain.errors import PipetrainError
 from pipetrain.planning import Plan
 from pipetrain.runtime.launch import under_torchrun
+from pipetrain.runtime.outcome import RankResult
 from pipetrain.trace import draw_timeline, write_chrome_trace
 
 
@@ -110,14 +111,13 @@ def training_rate(records: list[dict[str, Any]]) -> float:
     return sum(h["samples"] for h in records) / seconds if seconds > 0 else 0.0
 
 
-def gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], str],
-            since_epoch: int = 0) -> TrainResult:
+def gather(model: nn.Module, parts: list[RankResult], name: Callable[[int], str], since_epoch: int = 0) -> TrainResult:
     """The trained model and history from every rank's part (samples/s from the records of epochs
     ``since_epoch`` on: those trained by this run). Data-parallel workers must end bitwise identical:
     a difference is a bug, never a result."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
-        state.update(part["state"])
+        state.update(part.state)
     full = copy.deepcopy(model)
     aliases: dict[int, list[str]] = {}  # a tied parameter's names; a stage may hold it under any of them
     for key, p in full.named_parameters(remove_duplicate=False):
@@ -131,19 +131,19 @@ def gather(model: nn.Module, parts: list[dict[str, Any]], name: Callable[[int], 
         raise PipetrainError(f"no stage returned {sorted(missing)[:3]}; those tensors are not used in "
                              "forward, so no stage owns them")
     full.load_state_dict(state)
-    differ = [p["rank"] for p in parts if not p["state"] and p["digest"] != parts[0]["digest"]]
+    differ = [p.rank for p in parts if not p.state and p.digest != parts[0].digest]
     if differ:
         raise PipetrainError(f"{name(differ[0])} ended with weights that differ from {name(0)}'s; data-parallel "
                              "workers must stay identical (please report this)")
-    history = sorted((h for part in parts for h in part["history"]), key=lambda h: h["step"])
+    history = sorted((h for part in parts for h in part.history), key=lambda h: h["step"])
     speed = training_rate([h for h in history if h["epoch"] >= since_epoch])
-    return TrainResult(full, history, speed, [part["trace"] for part in parts],
-                       bytes_sent=[part["bytes_sent"] for part in parts],
-                       sync_stats=[part["sync_stats"] for part in parts],
-                       peak_memory=[part["peak_memory"] for part in parts],
-                       stashed_bytes=[part["stashed_bytes"] for part in parts],
-                       memory_traces=[part["memory_trace"] for part in parts],
-                       weight_versions=[part["weight_versions"] for part in parts])
+    return TrainResult(full, history, speed, [part.trace for part in parts],
+                       bytes_sent=[part.bytes_sent for part in parts],
+                       sync_stats=[part.sync_stats for part in parts],
+                       peak_memory=[part.peak_memory for part in parts],
+                       stashed_bytes=[part.stashed_bytes for part in parts],
+                       memory_traces=[part.memory_trace for part in parts],
+                       weight_versions=[part.weight_versions for part in parts])
 
 
 def write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],

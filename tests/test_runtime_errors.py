@@ -152,13 +152,14 @@ def test_a_worker_that_dies_while_started_names_the_unguarded_script_as_the_like
     ctx = type("Ctx", (), {"Process": _DiesWhileStarted})()
     with pytest.raises(PipetrainError, match=r"^rank 0 died while starting \(Broken pipe\); workers first import "
                                              r"your script .+: if it calls pipetrain.train outside"):
-        _spawn_once(ctx, b"", 1, 0, "rank {}".format, poll_s=0.01, silent_after=None, log_dir=None, timeout=None)
+        _spawn_once(ctx, print, lambda rank: (), 1, 0, "rank {}".format, poll_s=0.01, silent_after=None, log_dir=None,
+                    timeout=None)
 
 
 def test_a_job_that_finishes_just_as_its_time_limit_passes_returns_its_results():
     ctx = type("Ctx", (), {"Process": _ExitsWhenFirstSeen})()
-    results = _spawn_once(ctx, b"", 1, 0, "rank {}".format, poll_s=0.01, silent_after=None, log_dir=None,
-                          timeout=0)
+    results = _spawn_once(ctx, print, lambda rank: (), 1, 0, "rank {}".format, poll_s=0.01, silent_after=None,
+                          log_dir=None, timeout=0)
     assert results == [{"rank": 0}]
 
 

@@ -21,15 +21,16 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from pipetrain.batches import epoch_order, per_epoch, to_device
+from pipetrain.batches import epoch_order, per_epoch
 from pipetrain.config import JobConfig
-from pipetrain.layers import LayeredModel
 from pipetrain.runtime import checkpoint, multi
 from pipetrain.runtime.dist import init_distributed, wire_device
 from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.tied import edges as tied_edges
 from pipetrain.runtime.loader import Inline, Loaders, Recipe
+from pipetrain.runtime.parts import Part, Source, build
+from pipetrain.runtime.outcome import RankResult
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, append_json
@@ -54,12 +55,13 @@ class Start:
         return 0 if self.resume_from is None else self.resume_from + 1
 
 
-def run_rank(cfg: JobConfig, start: Start) -> dict[str, Any]:
-    """Train this rank's part; return its state, history (reporting ranks) and trace, as plain data."""
+def run_rank(cfg: JobConfig, start: Start, parts: list[Part], source: Source) -> dict[str, Any]:
+    """Build this rank's stages from ``parts`` (:mod:`pipetrain.runtime.parts`) and train them; return
+    what it reports (:class:`RankResult`, as plain data)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     prepare_process(cfg)
     device = init_distributed(cfg.run.timeout, cfg.run.backend)
-    result = (_train_looped if cfg.looped else _train)(cfg, start, rank, world, device)
+    result = _shared(asdict(_train(cfg, start, rank, device, parts, source)), world)
     # only after success: teardown with a dead peer can block, and on failure the launcher
     # (ours or torchrun) stops every process anyway
     if os.environ.get("PIPETRAIN_SPAWNED") != "1":
@@ -76,24 +78,15 @@ def prepare_process(cfg: JobConfig) -> None:
 
 
 def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Channel, sync: GradSync | None,
-                 start: Start = Start(), exchange_ties: bool = True) -> tuple[Worker, nn.Module]:
-    """``rank``'s worker as the job runs it, around ``transport`` and ``sync``: its stage (the whole
-    model for data parallelism), optimizer and weight policy, restored from the checkpoint of the epoch
-    ``start`` resumes after, if any. With ``exchange_ties`` False, a stage's copy of a tied parameter
-    trains on its own (a worker run alone, for its timings).
-
-    Returns:
-        The worker, with the history it resumes, and its stage module unwrapped (what checkpoints save).
-    """
+                 stage: nn.Module, start: Start = Start(), exchange_ties: bool = True) -> Worker:
+    """``rank``'s worker as the job runs it, around ``stage`` (built on ``device``: its stage, the whole
+    model for data parallelism), ``transport`` and ``sync``: its optimizer and weight policy, restored
+    from the checkpoint of the epoch ``start`` resumes after, if any. For a looped schedule ``rank`` is
+    the stage, as if it had a worker of its own. With ``exchange_ties`` False, a stage's copy of a tied
+    parameter trains on its own (a worker run alone, for its timings)."""
     t, layout = cfg.training, cfg.layout
     stage_idx = layout.stage_of(rank)
-    if cfg.data_parallel:
-        stage = t.model.to(device)  # every worker holds the whole model
-    else:
-        # captured on the worker's device: an exported graph fixes the device of tensors it makes (arange)
-        layers = LayeredModel(t.model.to(device), to_device(cfg.example(), device))
-        stage = layers.stage(*layout.layer_range(stage_idx, len(layers))).to(device)
-    tied = TiedCopies(stage, t.model, cfg.ties, layout, rank, transport) \
+    tied = TiedCopies(stage, cfg.ties, layout, rank, transport) \
         if exchange_ties and any(stage_idx in tie.stages for tie in cfg.ties) else None
     borrowed = tied.borrowed if tied is not None else set()
     params = [p for n, p in stage.named_parameters() if p.requires_grad and n not in borrowed]
@@ -125,7 +118,7 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
                     fixed_shapes=not cfg.data_parallel)
     worker.history = [StepRecord(**h) for h in history]
     worker.footprint.samples = [] if cfg.run.trace else None
-    return worker, stage
+    return worker
 
 
 def _recipe(cfg: JobConfig) -> Recipe:
@@ -133,62 +126,86 @@ def _recipe(cfg: JobConfig) -> Recipe:
     return Recipe(t.dataset, t.eval_dataset, t.seed, t.target_key, t.collate_fn)
 
 
-def _train(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    t, layout = cfg.training, cfg.layout
-    transport = Transport(rank, sorted(set(layout.edges()) | set(tied_edges(cfg.ties, layout))), layout.name, device,
-                          cfg.run.timeout)
-    sync = cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
-    worker, stage = build_worker(cfg, rank, device, transport, sync, start)
+def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts: list[Part],
+           source: Source) -> RankResult:
+    """Build the rank's stages (one, or several for a looped schedule: each with its own Worker, built
+    as if it were rank s of a straight pipeline), then train them epoch by epoch."""
+    t, layout, world = cfg.training, cfg.layout, cfg.world
+    edges = multi.edges(layout.num_stages, world) if cfg.looped else \
+        sorted(set(layout.edges()) | set(tied_edges(cfg.ties, layout)))
+    transport = Transport(rank, edges, cfg.worker_name, device, cfg.run.timeout)
+    sync = None if cfg.looped else cfg.strategy.synchronizer(SyncContext(rank, layout, device, cfg.run.timeout))
+    workers: dict[int, Worker] = {}
+    modules: dict[int, nn.Module] = {}
+    for part in parts:
+        key = part.stage if cfg.looped else rank  # a looped stage's Worker runs as rank = its stage
+        modules[key] = build(part, source, device)
+        channel = multi.StageChannel(transport, part.stage, world) if cfg.looped else transport
+        workers[key] = build_worker(cfg, key, device, channel, sync, modules[key], start)
+        if cfg.run.loader_workers and part.stage in (0, layout.num_stages - 1):  # a middle stage reads no data
+            workers[key].source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
+                                          pin=device.type == "cuda")
+    if cfg.looped:
+        for s, worker in workers.items():
+            worker.name, worker.trace = f"stage {s} (rank {rank})", None
+    runner: Worker | multi.LocalStages = multi.LocalStages(rank, workers, [] if cfg.run.trace else None) \
+        if cfg.looped else workers[rank]
     ready = time.perf_counter()
-    if cfg.run.loader_workers and layout.stage_of(rank) in (0, layout.num_stages - 1):  # a middle stage reads no data
-        worker.source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch,
-                                cfg.run.timeout, pin=device.type == "cuda")
-    first = start.first_epoch
-
     k = per_epoch(t.items, t.batch_size, layout.rounds)
-    bar = _progress(cfg, rank, (t.epochs - first) * k)
-    # the bar's rank records its own minibatches: every one (data parallel), or 1 in r (one of the r
-    # replicas of the output stage)
-    per_record = 1 if cfg.data_parallel else layout.replicas[-1]
+    bar = _progress(cfg, rank, (t.epochs - start.first_epoch) * k)
+    # the bar's rank records its own minibatches: every one (data parallel, looped), or 1 in r (one of
+    # the r replicas of the output stage)
+    per_record = 1 if cfg.data_parallel or cfg.looped else layout.replicas[-1]
     # the postfix waits for the bar's next redraw (tqdm's mininterval): redrawing it after every
     # minibatch would cost a fast model a noticeable share of its step
     on_step = (lambda rec: bar.set_postfix(loss=f"{rec.loss:.4f}", refresh=False) or bar.update(per_record)) \
         if bar else None
-    for epoch in range(first, t.epochs):
+    for epoch in range(start.first_epoch, t.epochs):
         batches = epoch_order(t.items, t.batch_size, epoch, t.shuffle, t.seed, layout.rounds)
         try:
-            worker.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
+            runner.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
         except NonFiniteLoss as e:
             kept = epoch - 1 if cfg.run.checkpoint_dir and epoch > 0 else None
             where = f"the checkpoint of epoch {kept} in {cfg.run.checkpoint_dir} is kept" if kept is not None \
                 else "no checkpoint was saved"
             raise NonFiniteLoss(f"{e}; training stopped, {where}; lower the learning rate") from None
         if cfg.data_parallel:
-            _mean_losses(worker.history[-len(batches):], cfg.world, device)
-            agree_buffers(stage, cfg.world)
+            _mean_losses(runner.history[-len(batches):], world, device)
+            agree_buffers(modules[rank], world)
         if t.eval_dataset is not None:
-            scores = _evaluate(cfg, worker, epoch, device, (epoch + 1) * k)
+            scores = _evaluate(cfg, runner, epoch, device, (epoch + 1) * k)
             if bar:
                 bar.write(f"epoch {epoch}: held-out " + ", ".join(f"{name} {v:.4g}" for name, v in scores.items()))
-        if cfg.run.checkpoint_dir:
-            _save(cfg, rank, epoch, worker, stage, device)
+        for key, worker in workers.items() if cfg.run.checkpoint_dir else ():
+            _save(cfg, key, epoch, worker, modules[key], device)
     if bar:
         bar.close()
-    worker.source.close()
+    for worker in workers.values():
+        worker.source.close()
     if sync:
         sync.close()
     transport.close()
-    state = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
-    result = {"rank": rank, "digest": _digest(state) if cfg.data_parallel else None,
-              # data parallelism: every worker holds the same model; rank 0's comes back, the others' digests
-              "state": state if not cfg.data_parallel or rank == 0 else {},
-              "history": [asdict(h) for h in worker.history] if layout.reporter(rank) else [],
-              "trace": worker.trace or [], "stashed_bytes": worker.footprint.report(),
-              "memory_trace": worker.footprint.samples or [],
-              "bytes_sent": transport.bytes_sent + (sync.bytes_sent if sync else 0),
-              "sync_stats": sync.stats() if sync else {}, "ready": ready, "weight_versions": worker.policy.peak_versions,
-              "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
-    return _shared(result, world)
+    return _report(cfg, rank, ready, runner, workers, modules, transport.bytes_sent + (sync.bytes_sent if sync else 0),
+                   sync.stats() if sync else {})
+
+
+def _report(cfg: JobConfig, rank: int, ready: float, runner: Worker | multi.LocalStages, workers: dict[int, Worker],
+            modules: dict[int, nn.Module], bytes_sent: int, sync_stats: dict[str, Any]) -> RankResult:
+    """What ``rank`` reports of its run. Data-parallel workers hold the same model: rank 0's comes
+    back, the others' digests."""
+    state = {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()}
+    footprints = [w.footprint.report() for w in workers.values()]
+    return RankResult(
+        rank=rank, digest=_digest(state) if cfg.data_parallel else None,
+        state=state if not cfg.data_parallel or rank == 0 else {},
+        history=[asdict(h) for h in runner.history] if cfg.looped or cfg.layout.reporter(rank) else [],
+        trace=runner.trace or [],
+        # a rank holding several stages: its stages' own peaks added up, at most what it held at once
+        stashed_bytes={key: sum(f[key] for f in footprints) for key in ("activation_bytes", "weight_bytes")},
+        memory_trace=(workers[rank].footprint.samples or []) if not cfg.looped else [],
+        bytes_sent=bytes_sent, sync_stats=sync_stats, ready=ready,
+        weight_versions=max(w.policy.peak_versions for w in workers.values()),
+        peak_memory=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
 
 
 def _save(cfg: JobConfig, rank: int, epoch: int, worker: Worker, stage: nn.Module, device: torch.device) -> None:
@@ -210,50 +227,6 @@ def _shared(result: dict[str, Any], world: int) -> dict[str, Any]:
         dist.all_gather_object(parts, result)
         return {"parts": parts}
     return result
-
-
-def _train_looped(cfg: JobConfig, start: Start, rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    """A rank of a looped schedule (``interleaved-1f1b``): a Worker per stage it holds (stage s on rank
-    s mod W, each built as if it were rank s of a straight pipeline), run by
-    :class:`~pipetrain.runtime.multi.LocalStages` in the order of the rank's one action list."""
-    t, stages = cfg.training, cfg.layout.num_stages
-    transport = Transport(rank, multi.edges(stages, world), cfg.worker_name, device, cfg.run.timeout)
-    workers: dict[int, Worker] = {}
-    modules: dict[int, nn.Module] = {}
-    for s in range(rank, stages, world):
-        workers[s], modules[s] = build_worker(cfg, s, device, multi.StageChannel(transport, s, world), None, start)
-        workers[s].name, workers[s].trace = f"stage {s} (rank {rank})", None
-        if cfg.run.loader_workers and s in (0, stages - 1):
-            workers[s].source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
-                                        pin=device.type == "cuda")
-    ready = time.perf_counter()
-    local = multi.LocalStages(rank, workers, [] if cfg.run.trace else None)
-    k = per_epoch(t.items, t.batch_size, 1)
-    bar = _progress(cfg, rank, (t.epochs - start.first_epoch) * k)
-    on_step = (lambda rec: bar.set_postfix(loss=f"{rec.loss:.4f}", refresh=False) or bar.update(1)) if bar else None
-    for epoch in range(start.first_epoch, t.epochs):
-        batches = epoch_order(t.items, t.batch_size, epoch, t.shuffle, t.seed, 1)
-        local.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
-        if t.eval_dataset is not None:
-            scores = _evaluate(cfg, local, epoch, device, (epoch + 1) * k)
-            if bar:
-                bar.write(f"epoch {epoch}: held-out " + ", ".join(f"{name} {v:.4g}" for name, v in scores.items()))
-        for s, worker in workers.items() if cfg.run.checkpoint_dir else ():
-            _save(cfg, s, epoch, worker, modules[s], device)
-    if bar:
-        bar.close()
-    for worker in workers.values():
-        worker.source.close()
-    transport.close()
-    return _shared({"rank": rank, "digest": None, "ready": ready, "history": [asdict(h) for h in local.history],
-                    "trace": local.trace or [],
-                    "state": {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()},
-                    "bytes_sent": transport.bytes_sent, "sync_stats": {},
-                    # its stages' own peaks added up: at most what the rank held at once
-                    "stashed_bytes": {key: sum(w.footprint.report()[key] for w in workers.values())
-                                      for key in ("activation_bytes", "weight_bytes")},
-                    "memory_trace": [], "weight_versions": max(w.policy.peak_versions for w in workers.values()),
-                    "peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, world)
 
 
 def _evaluate(cfg: JobConfig, worker: Worker | multi.LocalStages, epoch: int, device: torch.device,

@@ -122,7 +122,7 @@ def _heartbeat(beat: Path) -> None:
     threading.Thread(target=loop, daemon=True, name="pipetrain-heartbeat").start()
 
 
-def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, caller: int, mp_dir: str) -> None:
+def _child(rank: int, world: int, port: int, workdir: str, caller: int, mp_dir: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it stops the workers
     _die_with_caller(caller, (workdir, mp_dir))
     _heartbeat(_beat(workdir, rank))
@@ -132,7 +132,10 @@ def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, calle
                       LOCAL_RANK=str(rank), PIPETRAIN_SPAWNED="1", PIPETRAIN_WORKDIR=workdir)
     code = 0
     try:
-        fn, args = pickle.loads(payload)
+        task = _task(workdir, rank)
+        with open(task, "rb") as f:
+            fn, args = pickle.load(f)
+        task.unlink()
         torch.save(fn(*args), Path(workdir) / f"result{rank}.pt")
     except BaseException as e:  # noqa: BLE001 - reported to the parent, then the process ends
         msg = first_line(e, None) if isinstance(e, PipetrainError) else one_line(e, None)
@@ -145,10 +148,14 @@ def _child(rank: int, world: int, port: int, workdir: str, payload: bytes, calle
     os._exit(code)
 
 
-def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[int], str] = "rank {}".format,
-          poll_s: float = 0.05, silent_after: float | None = None,
+def spawn(fn: Callable[..., Any], world: int, args: tuple | Callable[[int], tuple],
+          describe: Callable[[int], str] = "rank {}".format, poll_s: float = 0.05, silent_after: float | None = None,
           log_dir: str | os.PathLike | None = None, timeout: float | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``world`` processes with RANK/WORLD_SIZE set; return each rank's result.
+
+    ``args`` may be a function of the rank giving that rank's arguments: each rank is then sent only
+    its own (a pipeline worker its stage), made just before its process starts, so the caller never
+    holds every rank's at once.
 
     Results travel through ``torch.save``/``torch.load(weights_only=True)``: plain data and tensors.
     Each worker shows a sign of life every HEARTBEAT_S; one that shows none for ``silent_after``
@@ -166,13 +173,11 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple, describe: Callable[[i
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "pipetrain"])  # once per caller process
-    # [Note: pickle by value] multiprocessing pickles Process arguments with torch's reducers, which
-    # move tensors to shared memory: every worker, and the caller's model, would then update one
-    # copy of the weights. Plain pickle gives each worker its own copy.
-    payload = pickle.dumps((fn, args))
+    args_of = args if callable(args) else lambda rank: args
     for attempt in range(PORT_TRIES):
         try:
-            return _spawn_once(ctx, payload, world, _free_port(), describe, poll_s, silent_after, log_dir, timeout)
+            return _spawn_once(ctx, fn, args_of, world, _free_port(), describe, poll_s, silent_after, log_dir,
+                               timeout)
         except PipetrainError as e:
             if (_PORT_TAKEN not in str(e) and e.kind != "unstarted") or attempt == PORT_TRIES - 1:
                 raise
@@ -188,16 +193,23 @@ START_S = 120.0
 _PORT_TAKEN = "on 127.0.0.1 is in use"
 
 
-def _spawn_once(ctx: Any, payload: bytes, world: int, port: int, describe: Callable[[int], str], poll_s: float,
-                silent_after: float | None, log_dir: str | os.PathLike | None, timeout: float | None) -> list[Any]:
+def _spawn_once(ctx: Any, fn: Callable[..., Any], args_of: Callable[[int], tuple], world: int, port: int,
+                describe: Callable[[int], str], poll_s: float, silent_after: float | None,
+                log_dir: str | os.PathLike | None, timeout: float | None) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
         mp_dir = multiprocessing.util.get_temp_dir()  # the fork server's socket lives there
-        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, payload, os.getpid(), mp_dir),
+        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, os.getpid(), mp_dir),
                              daemon=False) for r in range(world)]
         started = []
         since = time.monotonic()
         try:
             for r, p in enumerate(procs):
+                # [Note: pickle by value] multiprocessing pickles Process arguments with torch's reducers,
+                # which move tensors to shared memory: every worker, and the caller's model, would then
+                # update one copy of the weights. Plain pickle, to a file the worker reads, gives each
+                # worker its own copy, and leaves nothing of it in the caller.
+                with open(_task(workdir, r), "wb") as f:
+                    pickle.dump((fn, args_of(r)), f, protocol=pickle.HIGHEST_PROTOCOL)
                 try:
                     p.start()
                 except OSError as e:  # the new process was killed before it read its task
@@ -321,6 +333,11 @@ def _keep(what: str, texts: list[str], log_dir: str | os.PathLike | None) -> Pat
     except OSError:
         return None
     return log
+
+
+def _task(workdir: str, rank: int) -> Path:
+    """The file holding worker ``rank``'s function and arguments, pickled; the worker deletes it once read."""
+    return Path(workdir) / f"task{rank}.pkl"
 
 
 def _beat(workdir: str, rank: int) -> Path:

@@ -55,8 +55,8 @@ class TiedCopies:
 
     Args:
         stage: this worker's stage module.
-        model: the whole model the stage was cut from (its parameters are the stage's objects).
-        ties: every tie of the job.
+        ties: every tie of the job (with every name of each tied parameter: the stage holds it under one
+            of them).
         layout: the job's workers.
         rank: this worker's rank.
         channel: the worker's transport.
@@ -64,11 +64,10 @@ class TiedCopies:
     :meth:`start` gives the copies their first values.
     """
 
-    def __init__(self, stage: nn.Module, model: nn.Module, ties: Sequence[Tie],
-                 layout: Layout, rank: int, channel: Channel) -> None:
-        by_name = dict(model.named_parameters(remove_duplicate=False))
+    def __init__(self, stage: nn.Module, ties: Sequence[Tie], layout: Layout, rank: int, channel: Channel) -> None:
+        by_name = dict(stage.named_parameters(remove_duplicate=False))
         local: dict[int, str] = {}  # a parameter's first name in the stage, as named_parameters() gives it
-        for n, p in stage.named_parameters(remove_duplicate=False):
+        for n, p in by_name.items():
             local.setdefault(id(p), n)
         self.channel = channel
         self.live: dict[str, nn.Parameter] = {}  # local name -> this stage's parameter
@@ -79,8 +78,9 @@ class TiedCopies:
         for tie in ties:
             if me not in tie.stages:
                 continue
-            mine = local[id(by_name[tie.name])]
-            self.live[mine] = by_name[tie.name]
+            held = by_name[next(n for n in tie.names if n in by_name)]
+            mine = local[id(held)]
+            self.live[mine] = held
             if tie.stages[0] == me:
                 self.owned.append(mine)
                 for s in tie.stages[1:]:
