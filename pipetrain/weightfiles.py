@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -104,6 +105,8 @@ def _header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
         raise _damaged(path, "header is not a JSON object")
     start = 8 + length
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise _damaged(path, "its __metadata__ is not a JSON object")
     entries = {}
     for key, spec in header.items():
         name = spec.get("dtype") if isinstance(spec, dict) else None
@@ -115,11 +118,8 @@ def _header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
             begin, end = (int(n) for n in spec["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise _damaged(path, f"tensor {key!r} lacks a dtype, shape or data_offsets") from None
-        numel = 1
-        for n in shape:
-            numel *= n
         if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - start \
-                or end - begin != numel * dtype.itemsize:
+                or end - begin != math.prod(shape) * dtype.itemsize:
             raise _damaged(path, f"tensor {key!r}'s bytes {begin}..{end} do not fit its shape {shape} "
                                  f"or the file's {size} bytes")
         entries[key] = _Entry(path, shape, dtype, start + begin, start + end)
@@ -147,7 +147,11 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 class WeightFiles:
     """Tensors by name in one or more weights files: shapes and dtypes come from headers when opened,
-    and a tensor's data is read only when asked for, from the one file that holds it."""
+    and a tensor's data is read only when asked for, from the one file that holds it.
+
+    Attributes:
+        path: the file or directory it was opened at, as error messages name it.
+    """
 
     def __init__(self, path: Path, entries: dict[str, _Entry], mapped: Mapping[str, torch.Tensor]) -> None:
         self.path = path
@@ -209,11 +213,11 @@ class WeightFiles:
         except Exception as e:  # torch raises many kinds for a file that is not its own; each is the file's fault
             raise WeightsError(f"weights {path}: not a state dict torch.save wrote ({first_line(e, 120)}); "
                                f"{GIVE}") from None
-        bad = (f"a {type(state).__name__}" if not isinstance(state, dict) else
-               next((f"{k!r}: a {type(v).__name__}" for k, v in state.items()
+        bad = (f"it is of type {type(state).__name__}" if not isinstance(state, dict) else
+               next((f"{k!r} is of type {type(v).__name__}" for k, v in state.items()
                      if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None))
         if bad is not None:
-            raise WeightsError(f"weights {path}: not a dict of tensor names to tensors (it holds {bad}); {GIVE}")
+            raise WeightsError(f"weights {path}: not a dict of tensor names to tensors ({bad}); {GIVE}")
         return cls(path, {k: _Entry(path, tuple(v.shape), v.dtype) for k, v in state.items()}, state)
 
     @property
@@ -376,22 +380,28 @@ def write_index(directory: Path, shards: Mapping[str, Iterable[str]]) -> None:
         shards: each shard's file name in ``directory`` to the keys it holds.
 
     Raises:
-        WeightsError: a shard missing or damaged, a key its shard lacks, or a key in two shards.
+        WeightsError: a shard missing or damaged, keys that are not exactly those its shard holds (a
+            tensor left out of the index would be silently left out of the model), or a key in two shards.
     """
     directory = Path(directory)
     weight_map: dict[str, str] = {}
     total = 0
     for name, keys in shards.items():
         entries = _header(directory / name)[0]
-        for key in keys:
-            if key in weight_map:
-                raise WeightsError(f"cannot index {key!r} in both {weight_map[key]} and {name}; "
-                                   f"write each tensor in one shard")
-            if key not in entries:
-                raise WeightsError(f"cannot index {key!r} in {directory / name}: the shard does not hold it")
-            weight_map[key] = name
-            total += entries[key].end - entries[key].begin
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        listed = set(keys)
+        odd = sorted(listed.symmetric_difference(entries))
+        if odd:
+            how = "lacks" if odd[0] in listed else "holds"
+            given = "name" if how == "lacks" else "leave out"
+            raise WeightsError(f"cannot index {directory / name}: it {how} {odd[0]!r}, which the keys given for "
+                               f"it {given}; give exactly the keys each shard holds")
+        both = sorted(listed & weight_map.keys())
+        if both:
+            raise WeightsError(f"cannot index {both[0]!r} in both {weight_map[both[0]]} and {name}; "
+                               f"write each tensor in one shard")
+        weight_map.update(dict.fromkeys(listed, name))
+        total += sum(e.end - e.begin for e in entries.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     with _atomic(directory / INDEX) as f:
         f.write((json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
 
