@@ -22,7 +22,7 @@ from pipetrain.planning import Plan, check_fits
 from pipetrain.planning.units import parse_bytes
 from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strategy, as_schedule, as_strategy
 from pipetrain.result import TrainResult, gather, write_trace
-from pipetrain.runtime import checkpoint
+from pipetrain.runtime import checkpoint, saving
 from pipetrain.runtime.job import Start, metrics_log, run_rank
 from pipetrain.runtime.dist import check_backend, local_workers
 from pipetrain.runtime.launch import spawn, under_torchrun
@@ -46,12 +46,18 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
           precision: str = "fp32", recompute: bool = False, log_dir: str | os.PathLike | None = None,
           backend: str = "auto", loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
-          collate_fn: Callable[[list[Any]], Any] | None = None) -> TrainResult:
+          collate_fn: Callable[[list[Any]], Any] | None = None, weights: str | os.PathLike | None = None,
+          save: str | os.PathLike | None = None) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
     Args:
         model: the model. A pipeline cuts it into layers: an ``nn.Sequential``, a ``torch.fx``-traceable
-            module, or one ``torch.export`` captures; the data-parallel strategies take any module.
+            module, or one ``torch.export`` captures; the data-parallel strategies take any module. Each
+            worker is sent and holds only its own stage (data parallelism: the whole model). The model
+            may be built on the meta device (``with torch.device("meta"): model = ...``), holding no
+            memory: each worker then gives its stage's tensors their values from ``weights``, else
+            initializes them as the model would, the same whatever the split
+            (:func:`pipetrain.materialize` gives those weights in one process).
         dataset: a map-style dataset of ``(input, target)`` pairs (the model is called ``model(input)``),
             or of dictionaries (Hugging Face style ``{"input_ids", "attention_mask", "labels"}``): the
             ``target_key`` entry is the target and the others the keyword inputs (``model(**inputs)``).
@@ -137,6 +143,16 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             its inputs or targets: what it uses) while it computes; 0 builds them inline. Results are
             bitwise the same either way: each item is fetched with its own seed (docs/training.md).
         prefetch: minibatches each loader keeps ready or in progress.
+        weights: the model's weights, replacing what it holds: a ``.safetensors`` file, a directory
+            ``save_pretrained`` wrote (one file or shards and their index), or a ``torch.save``'d state
+            dict. Each worker reads only its stage's tensors; a tied parameter the file leaves out (as
+            Hugging Face does ``lm_head.weight``) is read under its tie. Checked (names, shapes, dtypes)
+            before any worker starts.
+        save: where to write the trained model, stage by stage (never whole in one process): a directory
+            gets what ``save_pretrained`` writes (a shard per stage, its index, the Hugging Face
+            ``config.json``), a ``.safetensors`` path one file, a ``.pt`` path ``torch.save`` of the
+            gathered state dict (:mod:`pipetrain.runtime.saving`). A model built on the meta device is
+            not gathered (``result.model`` is None): give ``save`` to keep it.
 
     Raises:
         ValueError: bad arguments (one line says which and what to do).
@@ -151,12 +167,13 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     training = Training(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch_size,
                         epochs=epochs, shuffle=shuffle, seed=seed, lr_scheduler=lr_scheduler,
                         clip_grad_norm=clip_grad_norm, precision=precision, recompute=recompute,
-                        eval_dataset=eval_dataset, metrics=metrics, target_key=target_key, collate_fn=collate_fn)
+                        eval_dataset=eval_dataset, metrics=metrics, target_key=target_key, collate_fn=collate_fn,
+                        weights=_path(weights))
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,
                      threads=threads, trace=bool(trace), progress=progress, log_dir=_path(log_dir),
                      trace_dir=None if isinstance(trace, bool) else _path(trace), backend=backend,
-                     loader_workers=loader_workers, prefetch=prefetch)
+                     loader_workers=loader_workers, prefetch=prefetch, save=_path(save))
     chosen = as_strategy(strategy)
     schedule_auto = isinstance(schedule, str) and schedule == AUTO
     if schedule_auto and not (isinstance(stages, str) and stages == AUTO):
@@ -240,8 +257,11 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
     every worker again from the newest epoch all of them saved, up to ``max_restarts`` times. Each
     worker is sent only its own stages, cut from ``layers`` (None: data parallelism, the whole model)."""
     _preflight(cfg)
-    model, source, shipped = cfg.training.model, Source.of(cfg.training.model, None, cfg.training.seed), \
-        cfg.without_model()
+    t = cfg.training
+    model, source, shipped = t.model, Source.of(t.model, t.weights, t.seed), cfg.without_model()
+    if not cfg.gathers and cfg.run.save is None and cfg.run.checkpoint_dir is None:
+        warn(f"{type(model).__name__} is built on the meta device, so the trained model is not gathered in this "
+             "process; give save=PATH (CLI --save) to keep it")
 
     def args(rank: int) -> tuple[Any, ...]:
         stages = cfg.stages_of(rank, len(layers)) if layers is not None else []
@@ -258,7 +278,11 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
     first_epoch = start.first_epoch
     while True:
         if start.first_epoch >= cfg.training.epochs:
-            return _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
+            done = _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
+            if cfg.run.save is not None and done.model is not None and int(os.environ.get("RANK", "0")) == 0:
+                saving.write_whole(cfg.run.save, done.model, source.aliases)
+                done.saved = cfg.run.save
+            return done
         try:
             launched = time.perf_counter()
             parts = run_rank(*args(int(os.environ["RANK"])))["parts"] if under_torchrun() else spawn(
@@ -279,7 +303,10 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
                  f"({len(restarts)} of {cfg.run.max_restarts} restarts)")
             start = Start(start.attempt + 1, kept)
     reports = [RankResult(**part) for part in parts]
-    result = gather(cfg.training.model, reports, name, since_epoch=first_epoch)
+    result = gather(model if cfg.gathers else None, reports, name, since_epoch=first_epoch)
+    if cfg.run.save is not None and int(os.environ.get("RANK", "0")) == 0:
+        saving.finish(cfg.run.save, {k: v for r in reports for k, v in r.saved.items()}, model, result.model)
+        result.saved = cfg.run.save
     result.started, result.restarts, result.epochs_trained = started, restarts, cfg.training.epochs - first_epoch
     if not under_torchrun() and result.history:  # the workers share this process's clock
         ready = max(part.ready for part in reports)
@@ -300,10 +327,10 @@ def _preflight(cfg: JobConfig) -> None:
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} workers but {job} needs {cfg.world}; "
                          f"launch with --nproc-per-node/--nnodes giving {cfg.world} in all")
     check_backend(cfg.run.backend, cfg.world)
-    for option in ("checkpoint_dir", "log_dir"):
+    for option in ("checkpoint_dir", "log_dir", "save"):
         directory = getattr(cfg.run, option)
         if directory is not None:
-            _check_writable(Path(directory), option)
+            _check_writable(Path(directory) if option != "save" else saving.directory_of(directory), option)
     cfg.strategy.check_host(cfg.training.model, local_workers(cfg.world))
 
 
@@ -346,7 +373,8 @@ def _already_done(cfg: JobConfig, start: Start, started: float, restarts: list[d
         warn(f"every requested epoch (up to {cfg.training.epochs - 1}) is already saved in {cfg.run.checkpoint_dir}; "
              f"nothing left to train, returning the model of epoch {start.resume_from} (ask for more epochs to "
              "train on)")
-    return TrainResult(checkpoint.assemble(cfg.training.model, cfg.run.checkpoint_dir, start.resume_from),
+    model = checkpoint.assemble(cfg.training.model, cfg.run.checkpoint_dir, start.resume_from) if cfg.gathers else None
+    return TrainResult(model,
                        checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, start.resume_from), 0.0, started=started,
                        restarts=restarts, epochs_trained=trained)
 

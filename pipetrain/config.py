@@ -27,7 +27,10 @@ from pipetrain.layout import Layout
 from pipetrain.planning import Plan
 from pipetrain.registry import Auto, PipelineSchedule, Strategy
 from pipetrain.runtime import checkpoint
-from pipetrain.runtime.parts import aliases
+from pipetrain.initialize import check_initializable
+from pipetrain.runtime.parts import aliases, is_meta
+from pipetrain.runtime.saving import check_save
+from pipetrain.weightfiles import WeightFiles
 from pipetrain.runtime.dist import BACKENDS, local_workers
 from pipetrain.schedule import Schedule
 
@@ -56,10 +59,12 @@ class Training:
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None
     target_key: TargetKey = DEFAULT_TARGET_KEY
     collate_fn: Callable[[list[Any]], Any] | None = None
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise ValueError(f"model is a {type(self.model).__name__}, not a torch.nn.Module; pass the model itself")
+        self._check_weights()
         counts = (self.batch_size, self.epochs)
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts) or min(counts) < 1:
             raise ValueError(f"batch_size and epochs must be integers >= 1 (got {self.batch_size}, {self.epochs})")
@@ -93,6 +98,22 @@ class Training:
             raise ValueError(f"recompute={self.recompute!r} must be True (keep only each stage's inputs and run the "
                              "forward again before the backward) or False")
         self._check_evaluation()
+
+    def _check_weights(self) -> None:
+        """Every tensor the model saves is in ``weights`` with its shape and dtype (a tied one under any of
+        its names), read from the files' headers; and a model on the meta device without ``weights`` can
+        be initialized by :mod:`pipetrain.initialize`'s rule."""
+        if self.weights is None:
+            if is_meta(self.model):
+                check_initializable(self.model)
+            return
+        if not isinstance(self.weights, (str, os.PathLike)):
+            raise ValueError(f"weights={self.weights!r}: give the path of a .safetensors file, a directory "
+                             "save_pretrained wrote, or a torch.save'd state dict")
+        object.__setattr__(self, "weights", os.fspath(self.weights))
+        saved = self.model.state_dict(keep_vars=True)
+        WeightFiles.open(self.weights).check({k: (tuple(t.shape), t.dtype) for k, t in saved.items()},
+                                             aliases(self.model))
 
     def _check_evaluation(self) -> None:
         if self.metrics is not None:
@@ -133,6 +154,7 @@ class RunOptions:
     backend: str = "auto"
     loader_workers: int = 0
     prefetch: int = 2
+    save: str | None = None
 
     def __post_init__(self) -> None:
         if self.keep_checkpoints is not None and (isinstance(self.keep_checkpoints, bool) or
@@ -194,6 +216,9 @@ class JobConfig:
         ties: the parameters several stages read (found from ``layers``); () for data parallelism.
         fingerprint: the model's (:func:`pipetrain.runtime.checkpoint.fingerprint`), taken once: a
             worker is never sent the model.
+        gathers: the trained model comes back whole to the caller (``TrainResult.model``): the model was
+            given with real weights. A model built on the meta device fits nowhere whole, so it is not
+            gathered; ``save`` writes it stage by stage.
     """
 
     training: Training
@@ -204,10 +229,14 @@ class JobConfig:
     layers: InitVar[LayeredModel | None] = None
     ties: tuple[Tie, ...] = field(default=(), init=False)
     fingerprint: str = field(default="", init=False)
+    gathers: bool = field(default=True, init=False)
 
     def __post_init__(self, layers: LayeredModel | None) -> None:
         t, layout = self.training, self.layout
         object.__setattr__(self, "fingerprint", checkpoint.fingerprint(t.model))
+        object.__setattr__(self, "gathers", not is_meta(t.model))
+        if self.run.save is not None:
+            check_save(self.run.save, self.gathers)
         if not isinstance(self.strategy, Strategy):
             raise ValueError(f"strategy {self.strategy!r} must be resolved to one strategy before the job is made")
         if self.strategy.data_parallel:

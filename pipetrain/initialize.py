@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["InitError", "initial_values", "assign", "materialize", "meta_names"]
+__all__ = ["InitError", "initial_values", "assign", "materialize", "meta_names", "check_initializable"]
 
 REMEDY = "pass weights= (a .safetensors file or directory of the model's weights)"
 """What an :class:`InitError` tells the user to do instead of initializing."""
@@ -99,6 +99,20 @@ def initial_values(model: nn.Module, names: Iterable[str], seed: int = 0) -> dic
         values = {key: value for path in sorted(owners) for key, value in tree.initialize(path, seed).items()}
         out.update({name: values[id(tree.tensors[name])] for name in wanted})
     return out
+
+
+def check_initializable(model: nn.Module) -> None:
+    """Raise :class:`InitError` for the first module owning meta tensors that no rule reaches (neither it
+    nor a module enclosing it has ``_init_weights`` or ``reset_parameters()``), without initializing
+    anything: the caller's check before any worker starts. A rule that runs but leaves a tensor unset is
+    found only when it runs (:func:`initial_values`)."""
+    tree = _Tree(model)
+    owners = {tree.owner(name) for name in meta_names(model)}
+    for path in sorted(owners):
+        if not any(any(tree.rules(p)) for p in [path, *_enclosing(path)]):
+            module = tree.root.get_submodule(path)
+            name = next(n for n in meta_names(model) if tree.owner(n) == path)
+            raise tree.error(path, module, name, None, None)
 
 
 def assign(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None:

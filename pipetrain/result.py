@@ -28,7 +28,8 @@ class TrainResult:
 
     Attributes:
         model: the trained full model (gathered from all stages of a pipeline), same structure as the
-            input model.
+            input model; None for a model built on the meta device, which is never gathered (``saved``
+            says where ``save`` wrote it).
         history: one record per optimizer step of the output stage (of worker 0 for data parallelism,
             with the minibatch's loss: the mean over the workers' shards): ``step``, ``epoch``, ``loss``,
             ``samples`` and ``samples_per_s`` (those samples over the time since the previous step),
@@ -74,9 +75,10 @@ class TrainResult:
             and ``plan_s``; ``start_s`` (from starting the workers until each held its stage) and
             ``first_update_s`` (from then to the first update), these two where this call started the
             workers (not under torchrun).
+        saved: where ``save`` wrote the trained model, or None.
     """
 
-    model: nn.Module
+    model: nn.Module | None
     history: list[dict[str, Any]]
     samples_per_s: float
     traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
@@ -93,6 +95,7 @@ class TrainResult:
     memory_traces: list[list[tuple[float, int, int]]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
     weight_versions: list[int] = field(default_factory=list)
+    saved: str | None = None
 
 
 def training_rate(records: list[dict[str, Any]]) -> float:
@@ -111,10 +114,29 @@ def training_rate(records: list[dict[str, Any]]) -> float:
     return sum(h["samples"] for h in records) / seconds if seconds > 0 else 0.0
 
 
-def gather(model: nn.Module, parts: list[RankResult], name: Callable[[int], str], since_epoch: int = 0) -> TrainResult:
-    """The trained model and history from every rank's part (samples/s from the records of epochs
-    ``since_epoch`` on: those trained by this run). Data-parallel workers must end bitwise identical:
-    a difference is a bug, never a result."""
+def gather(model: nn.Module | None, parts: list[RankResult], name: Callable[[int], str],
+           since_epoch: int = 0) -> TrainResult:
+    """The trained model (unless ``model`` is None: not gathered) and history from every rank's part
+    (samples/s from the records of epochs ``since_epoch`` on: those trained by this run).
+    Data-parallel workers must end bitwise identical: a difference is a bug, never a result."""
+    full = _whole(model, parts) if model is not None else None
+    differ = [p.rank for p in parts if not p.state and p.digest != parts[0].digest]
+    if differ:
+        raise PipetrainError(f"{name(differ[0])} ended with weights that differ from {name(0)}'s; data-parallel "
+                             "workers must stay identical (please report this)")
+    history = sorted((h for part in parts for h in part.history), key=lambda h: h["step"])
+    speed = training_rate([h for h in history if h["epoch"] >= since_epoch])
+    return TrainResult(full, history, speed, [part.trace for part in parts],
+                       bytes_sent=[part.bytes_sent for part in parts],
+                       sync_stats=[part.sync_stats for part in parts],
+                       peak_memory=[part.peak_memory for part in parts],
+                       stashed_bytes=[part.stashed_bytes for part in parts],
+                       memory_traces=[part.memory_trace for part in parts],
+                       weight_versions=[part.weight_versions for part in parts])
+
+
+def _whole(model: nn.Module, parts: list[RankResult]) -> nn.Module:
+    """A copy of ``model`` holding the tensors the ranks returned."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
         state.update(part.state)
@@ -131,19 +153,7 @@ def gather(model: nn.Module, parts: list[RankResult], name: Callable[[int], str]
         raise PipetrainError(f"no stage returned {sorted(missing)[:3]}; those tensors are not used in "
                              "forward, so no stage owns them")
     full.load_state_dict(state)
-    differ = [p.rank for p in parts if not p.state and p.digest != parts[0].digest]
-    if differ:
-        raise PipetrainError(f"{name(differ[0])} ended with weights that differ from {name(0)}'s; data-parallel "
-                             "workers must stay identical (please report this)")
-    history = sorted((h for part in parts for h in part.history), key=lambda h: h["step"])
-    speed = training_rate([h for h in history if h["epoch"] >= since_epoch])
-    return TrainResult(full, history, speed, [part.trace for part in parts],
-                       bytes_sent=[part.bytes_sent for part in parts],
-                       sync_stats=[part.sync_stats for part in parts],
-                       peak_memory=[part.peak_memory for part in parts],
-                       stashed_bytes=[part.stashed_bytes for part in parts],
-                       memory_traces=[part.memory_trace for part in parts],
-                       weight_versions=[part.weight_versions for part in parts])
+    return full
 
 
 def write_trace(traces: list[list[tuple[str, float, float]]], directory: Path, name: Callable[[int], str],

@@ -99,6 +99,7 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
              for k, (a, b) in enumerate(zip(edges, edges[1:]))]
     timed = cfg.windows * spw * cfg.batch_size
     rank = int(os.environ["RANK"])
+    assert result.model is not None  # the bench's models have real weights: gathered
     with torch.no_grad():
         moved = sum(float(((p - q) ** 2).sum()) for p, q in zip(result.model.parameters(), cfg.build().parameters()))
     stages = options.get("stages")

@@ -39,7 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--plan auto: bytes a worker may hold (weights, stashed versions, activations), e.g. 16GiB")
     p.add_argument("--loss", required=True,
                    help="torch.nn.functional name (cross_entropy, mse_loss) or MODULE:FUNCTION")
-    p.add_argument("--save", default=None, help="write the trained model's state_dict here")
+    p.add_argument("--save", default=None, help="write the trained model here, stage by stage: a directory (what "
+                   "save_pretrained writes: a shard per stage and its index), FILE.safetensors, or FILE.pt (torch.save "
+                   "of the state dict)")
+    p.add_argument("--weights", default=None, help="load the model's weights from here (a .safetensors file, a "
+                   "save_pretrained directory or a torch.save'd state dict); each worker reads only its stage's")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="write DIR/trace.json (Chrome trace) and DIR/timeline.png")
     _add_train_options(p)
@@ -138,7 +142,6 @@ def _target_key(option: str) -> str | tuple[str, ...]:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    _check_output(args.save, "--save")
     _check_output(args.trace, "--trace", directory=True)
     loss_fn, optimizer = load_loss(args.loss), optimizer_of(args)
     model = call_factory(args.model, "model")
@@ -155,7 +158,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         clip_grad_norm=args.clip_grad_norm, precision=args.precision, recompute=args.recompute,
         log_dir=args.log_dir, backend=args.backend,
         loader_workers=args.loader_workers, prefetch=args.prefetch, target_key=_target_key(args.target_key),
-        collate_fn=load_object(args.collate_fn) if args.collate_fn else None)
+        collate_fn=load_object(args.collate_fn) if args.collate_fn else None, weights=args.weights, save=args.save)
     for r in result.restarts:
         after = f"after epoch {r['resumed_after_epoch']}" if r["resumed_after_epoch"] is not None else "from the start"
         print(f"restarted {after}: {r['error']}")
@@ -168,9 +171,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if result.stashed_bytes:
         print("peak stashed activations / weight versions per worker: " + ", ".join(
             f"{format_bytes(s['activation_bytes'])} / {format_bytes(s['weight_bytes'])}" for s in result.stashed_bytes))
-    if args.save:
-        torch.save(result.model.state_dict(), args.save)
-        print(f"saved the trained model's state_dict to {args.save}")
+    if result.saved:
+        print(f"saved the trained model to {result.saved}")
     if args.trace:
         print(f"wrote {args.trace}/trace.json and {args.trace}/timeline.png")
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from pipetrain.batches import epoch_order, per_epoch
 from pipetrain.config import JobConfig
-from pipetrain.runtime import checkpoint, multi
+from pipetrain.runtime import checkpoint, multi, saving
 from pipetrain.runtime.dist import init_distributed, wire_device
 from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.tied import TiedCopies
@@ -185,8 +185,25 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
     if sync:
         sync.close()
     transport.close()
-    return _report(cfg, rank, ready, runner, workers, modules, transport.bytes_sent + (sync.bytes_sent if sync else 0),
-                   sync.stats() if sync else {})
+    report = _report(cfg, rank, ready, runner, workers, modules,
+                     transport.bytes_sent + (sync.bytes_sent if sync else 0), sync.stats() if sync else {})
+    report.saved = _write(cfg, rank, workers, modules, source) if cfg.run.save is not None else {}
+    return report
+
+
+def _write(cfg: JobConfig, rank: int, workers: dict[int, Worker], modules: dict[int, nn.Module],
+           source: Source) -> dict[str, list[str]]:
+    """Write the shards of ``save`` this rank holds: each stage's first worker its stage's (data
+    parallelism: worker 0 the whole model); a ``torch.save`` file is the caller's to write."""
+    assert cfg.run.save is not None
+    if saving.gathered_only(cfg.run.save) or not cfg.looped and cfg.layout.replica_of(rank) != 0:
+        return {}
+    out: dict[str, list[str]] = {}
+    for key, worker in workers.items():
+        borrowed = worker.tied.borrowed if worker.tied is not None else set()
+        out.update(saving.write_stage(cfg.run.save, cfg.layout.stage_of(key), cfg.layout.num_stages, modules[key],
+                                      borrowed, source.aliases))
+    return out
 
 
 def _report(cfg: JobConfig, rank: int, ready: float, runner: Worker | multi.LocalStages, workers: dict[int, Worker],
@@ -197,7 +214,7 @@ def _report(cfg: JobConfig, rank: int, ready: float, runner: Worker | multi.Loca
     footprints = [w.footprint.report() for w in workers.values()]
     return RankResult(
         rank=rank, digest=_digest(state) if cfg.data_parallel else None,
-        state=state if not cfg.data_parallel or rank == 0 else {},
+        state=state if cfg.gathers and (not cfg.data_parallel or rank == 0) else {},
         history=[asdict(h) for h in runner.history] if cfg.looped or cfg.layout.reporter(rank) else [],
         trace=runner.trace or [],
         # a rank holding several stages: its stages' own peaks added up, at most what it held at once

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pipetrain.initialize import assign, initial_values, meta_names
 from pipetrain.layers import LayeredModel
 from pipetrain.stagecode import portable, set_device
+from pipetrain.weightfiles import WeightFiles
 
 
 @dataclass
@@ -57,7 +59,7 @@ class Source:
     def of(cls, model: nn.Module, weights: str | None, seed: int) -> Source:
         """The source of ``model``'s workers: only what their values need travels."""
         if weights is None and not is_meta(model):
-            return cls(seed=seed)
+            return cls(aliases=aliases(model), seed=seed)
         return cls(weights, meta_copy(model), aliases(model), seed)
 
     @property
@@ -83,7 +85,6 @@ def build(part: Part, source: Source, device: torch.device) -> nn.Module:
     module = part.module
     missing = meta_names(module)
     if missing:
-        from pipetrain.initialize import assign, initial_values  # only where something is missing
         values = _read(module, missing, source) if source.weights is not None else {}
         rest = [n for n in missing if n not in values]
         if rest:
@@ -98,8 +99,6 @@ def build(part: Part, source: Source, device: torch.device) -> nn.Module:
 def _read(module: nn.Module, missing: list[str], source: Source) -> dict[str, torch.Tensor]:
     """The values of ``missing`` that the weights file holds: the module's persistent tensors (a tied
     parameter under any of its names), read alone."""
-    from pipetrain.weightfiles import WeightFiles
-
     assert source.weights is not None
     saved = module.state_dict(keep_vars=True)
     wanted = {n: (tuple(saved[n].shape), saved[n].dtype) for n in missing if n in saved}
@@ -112,12 +111,6 @@ def _read(module: nn.Module, missing: list[str], source: Source) -> dict[str, to
 def is_meta(module: nn.Module) -> bool:
     """Any of ``module``'s tensors is on the meta device."""
     return any(t.is_meta for t in _tensors(module))
-
-
-def meta_names(module: nn.Module) -> list[str]:
-    """The names (each alias too) of ``module``'s tensors on the meta device."""
-    return [n for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-            if t.is_meta]
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
