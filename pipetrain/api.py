@@ -27,7 +27,7 @@ from pipetrain.runtime.job import Start, metrics_log, run_rank
 from pipetrain.runtime.dist import check_backend, local_workers
 from pipetrain.runtime.launch import spawn, under_torchrun
 from pipetrain.runtime.outcome import RankResult
-from pipetrain.runtime.parts import Source, parts_for
+from pipetrain.runtime.parts import Shipment, Source, local_parts
 
 AUTO = "auto"
 """What ``stages``, ``strategy`` and ``schedule`` say to be planned, chosen or picked here."""
@@ -263,9 +263,8 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
         warn(f"{type(model).__name__} is built on the meta device, so the trained model is not gathered in this "
              "process; give save=PATH (CLI --save) to keep it")
 
-    def args(rank: int) -> tuple[Any, ...]:
-        stages = cfg.stages_of(rank, len(layers)) if layers is not None else []
-        return shipped, start, parts_for(layers, model, stages, source), source
+    def stages(rank: int) -> list[tuple[int, int, int]]:
+        return cfg.stages_of(rank, len(layers)) if layers is not None else []
 
     name = cfg.worker_name
     start = Start(restarted, _kept_epoch(cfg) if cfg.run.resume else None)
@@ -276,32 +275,37 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
         metrics_log(cfg.run.log_dir).unlink(missing_ok=True)  # a new run's log; a resumed one goes on
     restarts: list[dict[str, Any]] = []
     first_epoch = start.first_epoch
-    while True:
-        if start.first_epoch >= cfg.training.epochs:
-            done = _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
-            if cfg.run.save is not None and done.model is not None and int(os.environ.get("RANK", "0")) == 0:
-                saving.write_whole(cfg.run.save, done.model, source.aliases)
-                done.saved = cfg.run.save
-            return done
-        try:
-            launched = time.perf_counter()
-            parts = run_rank(*args(int(os.environ["RANK"])))["parts"] if under_torchrun() else spawn(
-                run_rank, cfg.world, args, describe=name,
-                silent_after=min(cfg.run.timeout / 2, SILENT_AFTER_S), log_dir=cfg.run.checkpoint_dir)
-            break
-        except PipetrainError as e:
-            kept = _kept_epoch(cfg)
-            if e.kind == "error" or len(restarts) >= cfg.run.max_restarts or under_torchrun():
-                e.checkpoint_epoch = kept
-                e.history = _whole_history(cfg, kept, e.history)
-                raise
-            redone = sum(1 for h in e.history if kept is None or h["epoch"] > kept)
-            restarts.append({"attempt": start.attempt, "error": str(e), "resumed_after_epoch": kept,
-                             "redone_steps": redone, "time": time.perf_counter()})
-            warn(f"{e}; restarting every worker after epoch {kept} ({len(restarts)} of {cfg.run.max_restarts} "
-                 "restarts)" if kept is not None else f"{e}; restarting every worker from the start "
-                 f"({len(restarts)} of {cfg.run.max_restarts} restarts)")
-            start = Start(start.attempt + 1, kept)
+    with Shipment(layers, model, source) as shipment:
+        while True:
+            if start.first_epoch >= cfg.training.epochs:
+                done = _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
+                if cfg.run.save is not None and done.model is not None and int(os.environ.get("RANK", "0")) == 0:
+                    saving.write_whole(cfg.run.save, done.model, source.aliases)
+                    done.saved = cfg.run.save
+                return done
+            try:
+                launched = time.perf_counter()
+                if under_torchrun():
+                    rank = int(os.environ["RANK"])
+                    parts = run_rank(shipped, start, local_parts(layers, model, stages(rank), source), source)["parts"]
+                else:
+                    parts = spawn(run_rank, cfg.world, lambda r: (shipped, start, shipment.parts(stages(r)), source),
+                                  describe=name, log_dir=cfg.run.checkpoint_dir,
+                                  silent_after=min(cfg.run.timeout / 2, SILENT_AFTER_S))
+                break
+            except PipetrainError as e:
+                kept = _kept_epoch(cfg)
+                if e.kind == "error" or len(restarts) >= cfg.run.max_restarts or under_torchrun():
+                    e.checkpoint_epoch = kept
+                    e.history = _whole_history(cfg, kept, e.history)
+                    raise
+                redone = sum(1 for h in e.history if kept is None or h["epoch"] > kept)
+                restarts.append({"attempt": start.attempt, "error": str(e), "resumed_after_epoch": kept,
+                                 "redone_steps": redone, "time": time.perf_counter()})
+                warn(f"{e}; restarting every worker after epoch {kept} ({len(restarts)} of {cfg.run.max_restarts} "
+                     "restarts)" if kept is not None else f"{e}; restarting every worker from the start "
+                     f"({len(restarts)} of {cfg.run.max_restarts} restarts)")
+                start = Start(start.attempt + 1, kept)
     reports = [RankResult(**part) for part in parts]
     result = gather(model if cfg.gathers else None, reports, name, since_epoch=first_epoch)
     if cfg.run.save is not None and int(os.environ.get("RANK", "0")) == 0:

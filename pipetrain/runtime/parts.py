@@ -3,16 +3,25 @@
 [Note: stage-only workers] No worker is sent, or holds, the whole model. The caller cuts the model
 into layers once (:class:`pipetrain.layers.LayeredModel`) and sends each worker a :class:`Part` per
 stage it holds: the stage's module alone (a graph stage as the source of its forward,
-:mod:`pipetrain.stagecode`). The part carries the caller's tensors when the model has real weights
-and no ``weights`` file replaces them; otherwise its tensors are on the meta device and the worker
-gives them values from the :class:`Source`: the ``weights`` file (reading only the stage's
-tensors), else each module's initialization (:mod:`pipetrain.initialize`, the same whatever the
-split). Data parallelism sends each worker the whole model the same way: it holds all of it anyway.
+:mod:`pipetrain.stagecode`), its tensors on the meta device. The worker gives them values:
+
+* a model given with real weights (and no ``weights`` file to replace them): from a file the caller
+  wrote the stage's tensors to, once per stage (:class:`Shipment`), which the worker reads as it reads
+  a weights file: a tensor's bytes are copied once to the file and once from it, where pickling them
+  would copy them several times in both processes;
+* else from the :class:`Source`: the ``weights`` file (the stage's tensors alone), then, for what no
+  file holds, each module's initialization (:mod:`pipetrain.initialize`, the same whatever the split).
+
+Data parallelism ships each worker the whole model the same way: it holds all of it anyway. Under
+torchrun the rank is the caller: its parts keep the caller's tensors, nothing is written.
 """
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,7 +29,7 @@ from torch import nn
 from pipetrain.initialize import assign, initial_values, meta_names
 from pipetrain.layers import LayeredModel
 from pipetrain.stagecode import portable, set_device
-from pipetrain.weightfiles import WeightFiles
+from pipetrain.weightfiles import WeightFiles, write_shard
 
 
 @dataclass
@@ -31,10 +40,13 @@ class Part:
         stage: the stage's index (0 for data parallelism).
         module: what the worker calls: the stage's layers, with the caller's tensors or tensors on the
             meta device that :func:`build` gives values.
+        values: a safetensors file holding the stage's tensors (each under its first name in
+            ``module``), written by the caller; None where the :class:`Source` gives them.
     """
 
     stage: int
     module: nn.Module
+    values: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,15 +80,62 @@ class Source:
         return self.skeleton is None
 
 
-def parts_for(layers: LayeredModel | None, model: nn.Module, stages: list[tuple[int, int, int]],
-              source: Source) -> list[Part]:
-    """The parts of one worker: ``(stage, first layer, last layer)`` of ``layers`` each (``layers`` None:
-    the whole ``model``, data parallelism), their tensors the caller's or on the meta device."""
+class Shipment:
+    """The parts a job's workers are sent: each stage's module on the meta device and, for a model with
+    real weights, a file of its tensors, written once per stage in ``directory`` (a replicated stage's
+    workers, and data-parallel workers, read the same file).
+
+    Args:
+        layers: the model cut into layers, or None for data parallelism (the whole model).
+        model: the caller's model.
+        source: the job's :class:`Source`.
+    The stages' files go in a temporary directory made at the first, removed by :meth:`close` (the
+    caller's, once the workers are done).
+    """
+
+    def __init__(self, layers: LayeredModel | None, model: nn.Module, source: Source) -> None:
+        self.layers, self.model, self.source = layers, model, source
+        self.directory: Path | None = None
+        self._written: dict[int, str] = {}
+
+    def __enter__(self) -> Shipment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def parts(self, stages: list[tuple[int, int, int]]) -> list[Part]:
+        """The parts of a worker holding ``(stage, first layer, last layer)`` each (data parallelism: [])."""
+        out = []
+        for s, module in modules_of(self.layers, self.model, stages):
+            if self.source.ships_tensors and s not in self._written:
+                if self.directory is None:
+                    self.directory = Path(tempfile.mkdtemp(prefix="pipetrain-stages-"))
+                self._written[s] = str(self.directory / f"stage{s}.safetensors")
+                write_shard(Path(self._written[s]), _first_names(module))
+            out.append(Part(s, meta_copy(module), self._written.get(s)))
+        return out
+
+
+def local_parts(layers: LayeredModel | None, model: nn.Module, stages: list[tuple[int, int, int]],
+                source: Source) -> list[Part]:
+    """The parts of a worker in this very process (under torchrun, or one worker run alone): the caller's
+    tensors where it has them, nothing written."""
+    return [Part(s, m if source.ships_tensors else meta_copy(m)) for s, m in modules_of(layers, model, stages)]
+
+
+def modules_of(layers: LayeredModel | None, model: nn.Module,
+               stages: list[tuple[int, int, int]]) -> list[tuple[int, nn.Module]]:
+    """``(stage, module)`` for each ``(stage, first layer, last layer)`` of ``layers``; None: the whole model."""
     if layers is None:
-        modules = [(0, model)]
-    else:
-        modules = [(s, portable(layers.stage(first, last), layers.device)) for s, first, last in stages]
-    return [Part(s, m if source.ships_tensors else meta_copy(m)) for s, m in modules]
+        return [(0, model)]
+    return [(s, portable(layers.stage(first, last), layers.device)) for s, first, last in stages]
+
+
+def _first_names(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Each of ``module``'s tensors once, under its first name."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
 def build(part: Part, source: Source, device: torch.device) -> nn.Module:
@@ -84,7 +143,10 @@ def build(part: Part, source: Source, device: torch.device) -> nn.Module:
     (read to the CPU or initialized there, then moved, so values do not depend on the device)."""
     module = part.module
     missing = meta_names(module)
-    if missing:
+    if part.values is not None:
+        files = WeightFiles.open(part.values)
+        assign(module, files.read(files.keys))
+    elif missing:
         values = _read(module, missing, source) if source.weights is not None else {}
         rest = [n for n in missing if n not in values]
         if rest:

@@ -25,7 +25,7 @@ import torch
 
 from pipetrain.layers import LayeredModel, flatten, received, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
-from pipetrain.runtime.parts import Source, build, parts_for
+from pipetrain.runtime.parts import Source, build, local_parts
 from pipetrain.runtime.transport import Message
 from pipetrain.batches import call, collate_parts, epoch_order, microbatch, per_epoch, to_device
 from pipetrain.timing import torch_threads
@@ -90,7 +90,7 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
         sync = GradSync() if any(a.kind == SYNC for a in schedule.actions[rank]) else None
         layers = None if job.data_parallel else LayeredModel(job.training.model, job.example())
         source = Source.of(job.training.model, None, t.seed)
-        [part] = parts_for(layers, job.training.model, job.stages_of(rank, len(layers)) if layers else [], source)
+        [part] = local_parts(layers, job.training.model, job.stages_of(rank, len(layers)) if layers else [], source)
         worker = build_worker(job, rank, where, channel, sync, build(part, source, where), exchange_ties=False)
         worker.log = None  # no history file, even inside a launched process
         worker.run_epoch(schedule, 0, batches, 0)
