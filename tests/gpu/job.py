@@ -5,8 +5,10 @@ OPTIONS_JSON holds ``pipetrain.train``'s options as the CLI names them (``strate
 ``microbatches``, ``staleness``, ``compression``, ``chunk``, ``stages``, ``workers``, ...) and ``model``:
 ``"mlp64"`` (float64, for exactness), ``"mlp32"`` (float32, for bf16), ``"shape-branch"`` (float64, a
 model ``torch.fx`` cannot trace and ``torch.export`` can) or ``"tied"`` (float64, its first and fifth layers
-share their weight: with ``stages=[0, 3]`` each stage holds a copy). OUT gets the result's state, history, sync stats,
-traces and bytes sent, and whether the workers had a GPU.
+share their weight: with ``stages=[0, 3]`` each stage holds a copy). With ``"weights": PATH`` the model is built
+on the meta device and each worker loads its stage from that file; the trained model is then saved
+stage by stage (``OUT.safetensors``) and read back, as it is never gathered. OUT gets the result's state,
+history, sync stats, traces, bytes sent and peak memory, and whether the workers had a GPU.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import sys
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -59,18 +62,36 @@ def data(dtype: torch.dtype, n: int = 256) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8, generator=g, dtype=dtype), torch.randn(n, 4, generator=g, dtype=dtype))
 
 
+def build(kind: str, dtype: torch.dtype) -> nn.Module:
+    return ShapeBranch().to(dtype) if kind == "shape-branch" else tied() if kind == "tied" else mlp(dtype)
+
+
 def main(out: str, options: dict) -> None:
     kind = options.pop("model", "mlp64")
     dtype = torch.float32 if kind == "mlp32" else torch.float64
-    model = ShapeBranch().to(dtype) if kind == "shape-branch" else tied() if kind == "tied" else mlp(dtype)
+    weights = options.pop("weights", None)
+    if weights is None:
+        model = build(kind, dtype)
+    else:
+        with torch.device("meta"):
+            model = build(kind, dtype)
     own = {k: options.pop(k) for k in STRUCTURAL if k in options}
+    if weights is not None:
+        own.update(weights=weights, save=f"{out}.safetensors")
     strategy, schedule = from_options(**{"strategy": "pipeline", **options})
     result = pipetrain.train(model, data(dtype), loss_fn=nn.functional.mse_loss,
                              optimizer=functools.partial(torch.optim.SGD, lr=own.pop("lr", 0.05)),
                              strategy=strategy, schedule=schedule, shuffle=False, batch_size=own.pop("batch_size", 16),
                              timeout=120, **own)
-    torch.save({"state": result.model.state_dict(), "history": result.history, "sync_stats": result.sync_stats,
-                "traces": result.traces, "bytes_sent": result.bytes_sent, "gpu": torch.cuda.is_available()}, out)
+    state = result.model.state_dict() if result.model is not None else load_file(f"{out}.safetensors")
+    torch.save({"state": state, "history": result.history, "sync_stats": result.sync_stats, "traces": result.traces,
+                "bytes_sent": result.bytes_sent, "peak_memory": result.peak_memory,
+                "gpu": torch.cuda.is_available()}, out)
+
+
+def write_weights(path: str, kind: str = "mlp64") -> None:
+    """The model's initial weights as one safetensors file (for ``"weights"``)."""
+    save_file(build(kind, torch.float32 if kind == "mlp32" else torch.float64).state_dict(), path)
 
 
 if __name__ == "__main__":

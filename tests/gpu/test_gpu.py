@@ -64,6 +64,21 @@ def test_two_stages_sharing_one_gpu_equal_the_same_job_on_the_cpu(tmp_path, how)
 
 
 @pytest.mark.multiprocess
+def test_a_meta_model_loads_its_stages_from_safetensors_onto_the_gpu(tmp_path) -> None:
+    """Each worker reads its stage from the file straight onto its device; the same job on the CPU gives
+    the same weights."""
+    sys.path.insert(0, str(JOB.parent))
+    from job import write_weights
+    write_weights(str(tmp_path / "weights.safetensors"))
+    options = {"backend": "gloo", "stages": [0, 2, 4], "schedule": "1f1b-flush", "microbatches": 2,
+               "weights": str(tmp_path / "weights.safetensors")}
+    gpu = job(tmp_path, "gpu", dict(options))
+    cpu = job(tmp_path, "cpu", dict(options), cpu=True)
+    assert sorted(gpu["state"]) == sorted(cpu["state"])
+    assert_close(gpu["state"], cpu["state"])
+
+
+@pytest.mark.multiprocess
 def test_nccl_with_two_workers_on_one_gpu_is_refused_before_any_worker_starts(tmp_path) -> None:
     if torch.cuda.device_count() != 1:
         pytest.skip("needs a machine with exactly one GPU")
