@@ -279,8 +279,13 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
     while True:
         if start.first_epoch >= cfg.training.epochs:
             done = _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
-            if cfg.run.save is not None and done.model is not None and int(os.environ.get("RANK", "0")) == 0:
-                saving.write_whole(cfg.run.save, done.model, source.aliases)
+            if cfg.run.save is not None and int(os.environ.get("RANK", "0")) == 0:
+                if done.model is not None:
+                    saving.write_whole(cfg.run.save, done.model, source.aliases)
+                else:  # built on the meta device: from the checkpoint's files, one at a time
+                    assert cfg.run.checkpoint_dir is not None and start.resume_from is not None
+                    saving.write_checkpoint(cfg.run.save, cfg.run.checkpoint_dir, start.resume_from, model,
+                                            source.aliases)
                 done.saved = cfg.run.save
             return done
         try:
@@ -347,16 +352,17 @@ def _check_writable(directory: Path, name: str) -> None:
 
 
 def _kept_epoch(cfg: JobConfig) -> int | None:
-    """The newest epoch every worker saved whole for this job, or None (no checkpoints)."""
+    """The newest epoch every worker of the job that saved it saved whole, for this job's model (on any
+    layout or strategy), or None (no checkpoints)."""
     if cfg.run.checkpoint_dir is None:
         return None
-    return checkpoint.resume_epoch(cfg.run.checkpoint_dir, cfg.savers, cfg.identity(), warn)
+    return checkpoint.resume_epoch(cfg.run.checkpoint_dir, cfg.identity(), warn)
 
 
 def _whole_history(cfg: JobConfig, kept: int | None, streamed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of a failed run: those saved with the newest checkpoint, then those the workers
     streamed since (one per step)."""
-    saved = checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, kept) \
+    saved = checkpoint.history(cfg.run.checkpoint_dir, kept) \
         if kept is not None and cfg.run.checkpoint_dir is not None else []
     records = {h["step"]: h for h in saved}
     records.update({h["step"]: h for h in streamed})
@@ -375,7 +381,7 @@ def _already_done(cfg: JobConfig, start: Start, started: float, restarts: list[d
              "train on)")
     model = checkpoint.assemble(cfg.training.model, cfg.run.checkpoint_dir, start.resume_from) if cfg.gathers else None
     return TrainResult(model,
-                       checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, start.resume_from), 0.0, started=started,
+                       checkpoint.history(cfg.run.checkpoint_dir, start.resume_from), 0.0, started=started,
                        restarts=restarts, epochs_trained=trained)
 
 
