@@ -93,10 +93,11 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         batch_size: samples per minibatch (one optimizer update of the whole job).
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
-        checkpoint_dir: where each worker saves itself after every epoch; ``resume=True`` restarts
-            from the newest epoch all workers completed; each worker keeps its ``keep_checkpoints``
-            newest epochs (at least 2; None keeps all, e.g. to evaluate every epoch later with
-            ``pipetrain.load_checkpoint``).
+        checkpoint_dir: where each worker saves itself after every epoch, keyed by the model's names;
+            ``resume=True`` restarts from the newest epoch all workers of the saving job completed,
+            on its split or another (other stages, replicas, workers or strategy; the same model:
+            docs/failures.md); each worker keeps its ``keep_checkpoints`` newest epochs (at least 2;
+            None keeps all, e.g. to evaluate every epoch later with ``pipetrain.load_checkpoint``).
         max_restarts: when a worker dies or goes silent, stop the others, start every worker again
             from the newest epoch all of them saved, and go on, up to this many times (needs
             ``checkpoint_dir``). Under ``torchrun --max-restarts N`` the restarted ranks resume from
