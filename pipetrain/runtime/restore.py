@@ -117,8 +117,11 @@ def restore(directory: str | os.PathLike, epoch: int, own: int, module: nn.Modul
             # a copy: the worker updates it in place, and a mapped file's pages would stay on disk
             # after the file is deleted, for as long as the worker runs
             state[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved["state"][held].items()}
-    first = next(iter(module.state_dict()), None)
-    home = find(optimized[0], optimizer_at, "optimizer state")[0] if optimized else \
-        find(first, model_at, "tensor")[0] if first is not None else min(own, len(manifests) - 1)
+    if optimized:
+        home = find(optimized[0], optimizer_at, "optimizer state")[0]
+    elif model:
+        home = find(next(iter(model)), model_at, "tensor")[0]
+    else:
+        home = min(own, len(manifests) - 1)
     return Restored(model, {"state": state, "param_groups": list(groups.values())}, file(home)["scheduler"],
                     file(home)["version"], file(home)["rng"], checkpoint.history(directory, epoch) if history else [])
