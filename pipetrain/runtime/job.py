@@ -100,7 +100,7 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
     version, history = 0, []
     if start.resume_from is not None:
         assert cfg.run.checkpoint_dir is not None
-        names = [n for n, _ in named] if optimizer is not None else []
+        names = [n for n, _ in named]
         state = restore(cfg.run.checkpoint_dir, start.resume_from, rank, stage, names, aliases or {},
                         history=rank == layout.first_reporter)
         stage.load_state_dict(state.model)
