@@ -187,3 +187,12 @@ def test_optimizer_state_by_name_loads_into_parameters_in_another_order() -> Non
     for name, p in params.items():
         for key, value in adam.state[p].items():
             assert torch.equal(again.state[p][key], value), (name, key)
+
+
+def test_a_checkpoint_keyed_by_position_is_refused_in_one_line(tmp_path) -> None:
+    """A version-1 checkpoint (optimizer state by torch's position) cannot be read by name."""
+    checkpoint.manifest_path(tmp_path, 0, 0).write_text(json.dumps({"format": checkpoint.FORMAT, "version": 1}))
+    with pytest.raises(checkpoint.CheckpointError, match=r"written by an older pipetrain \(checkpoint version 1, "
+                                                         r"optimizer state by position; this one reads 2\)") as e:
+        checkpoint.resume_epoch(tmp_path, {"model": "0"}, print)
+    assert "\n" not in str(e.value)
