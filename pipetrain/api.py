@@ -93,10 +93,11 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         batch_size: samples per minibatch (one optimizer update of the whole job).
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
-        checkpoint_dir: where each worker saves itself after every epoch; ``resume=True`` restarts
-            from the newest epoch all workers completed; each worker keeps its ``keep_checkpoints``
-            newest epochs (at least 2; None keeps all, e.g. to evaluate every epoch later with
-            ``pipetrain.load_checkpoint``).
+        checkpoint_dir: where each worker saves itself after every epoch, keyed by the model's names;
+            ``resume=True`` restarts from the newest epoch all workers of the saving job completed,
+            on its split or another (other stages, replicas, workers or strategy; the same model:
+            docs/failures.md); each worker keeps its ``keep_checkpoints`` newest epochs (at least 2;
+            None keeps all, e.g. to evaluate every epoch later with ``pipetrain.load_checkpoint``).
         max_restarts: when a worker dies or goes silent, stop the others, start every worker again
             from the newest epoch all of them saved, and go on, up to this many times (needs
             ``checkpoint_dir``). Under ``torchrun --max-restarts N`` the restarted ranks resume from
@@ -279,9 +280,8 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
         while True:
             if start.first_epoch >= cfg.training.epochs:
                 done = _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
-                if cfg.run.save is not None and done.model is not None and int(os.environ.get("RANK", "0")) == 0:
-                    saving.write_whole(cfg.run.save, done.model, source.aliases)
-                    done.saved = cfg.run.save
+                if cfg.run.save is not None and int(os.environ.get("RANK", "0")) == 0:
+                    _save_done(cfg, done, start, source)
                 return done
             try:
                 launched = time.perf_counter()
@@ -351,16 +351,17 @@ def _check_writable(directory: Path, name: str) -> None:
 
 
 def _kept_epoch(cfg: JobConfig) -> int | None:
-    """The newest epoch every worker saved whole for this job, or None (no checkpoints)."""
+    """The newest epoch every worker of the job that saved it saved whole, for this job's model (on any
+    layout or strategy), or None (no checkpoints)."""
     if cfg.run.checkpoint_dir is None:
         return None
-    return checkpoint.resume_epoch(cfg.run.checkpoint_dir, cfg.savers, cfg.identity(), warn)
+    return checkpoint.resume_epoch(cfg.run.checkpoint_dir, cfg.identity(), warn)
 
 
 def _whole_history(cfg: JobConfig, kept: int | None, streamed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of a failed run: those saved with the newest checkpoint, then those the workers
     streamed since (one per step)."""
-    saved = checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, kept) \
+    saved = checkpoint.history(cfg.run.checkpoint_dir, kept) \
         if kept is not None and cfg.run.checkpoint_dir is not None else []
     records = {h["step"]: h for h in saved}
     records.update({h["step"]: h for h in streamed})
@@ -379,8 +380,21 @@ def _already_done(cfg: JobConfig, start: Start, started: float, restarts: list[d
              "train on)")
     model = checkpoint.assemble(cfg.training.model, cfg.run.checkpoint_dir, start.resume_from) if cfg.gathers else None
     return TrainResult(model,
-                       checkpoint.history(cfg.run.checkpoint_dir, cfg.savers, start.resume_from), 0.0, started=started,
+                       checkpoint.history(cfg.run.checkpoint_dir, start.resume_from), 0.0, started=started,
                        restarts=restarts, epochs_trained=trained)
+
+
+def _save_done(cfg: JobConfig, done: TrainResult, start: Start, source: Source) -> None:
+    """``save`` for a resumed job with nothing left to train: from the gathered model, or (built on the
+    meta device) from the checkpoint's files, one at a time."""
+    assert cfg.run.save is not None
+    if done.model is not None:
+        saving.write_whole(cfg.run.save, done.model, source.aliases)
+    else:
+        assert cfg.run.checkpoint_dir is not None and start.resume_from is not None
+        saving.write_checkpoint(cfg.run.save, cfg.run.checkpoint_dir, start.resume_from, cfg.training.model,
+                                source.aliases)
+    done.saved = cfg.run.save
 
 
 def _path(value: str | os.PathLike | None) -> str | None:

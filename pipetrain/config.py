@@ -333,11 +333,12 @@ class JobConfig:
         return first_inputs(t.dataset, t.batch_size // microbatches, t.target_key, t.collate_fn)
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint must have been saved by to be resumed by this job."""
+        """The job a checkpoint says saved it: its model (which a job resuming it must share), strategy,
+        world size, layout, and the files it saves per epoch."""
         layout = {"workers": self.world} if self.data_parallel else {
             "boundaries": list(self.layout.boundaries or ()), "replicas": list(self.layout.replicas)}
         return {"model": self.fingerprint, "strategy": self.strategy.name,
-                "world": self.world, "layout": layout}
+                "world": self.world, "layout": layout, "savers": self.savers}
 
     def without_model(self) -> JobConfig:
         """This configuration as it travels to a worker: without the model, whose stages travel on their own

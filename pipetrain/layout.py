@@ -101,7 +101,12 @@ class Layout:
     def reporter(self, rank: int) -> bool:
         """Does ``rank`` record the training history: a replica of the output stage (worker 0 of data
         parallelism, where every worker records the same steps)."""
-        return rank == 0 if self.sharded else rank >= self.world - self.replicas[-1]
+        return rank == 0 if self.sharded else rank >= self.first_reporter
+
+    @property
+    def first_reporter(self) -> int:
+        """The lowest rank that records the training history (:meth:`reporter`)."""
+        return 0 if self.sharded else self.world - self.replicas[-1]
 
     def name(self, rank: int) -> str:
         """How messages name ``rank``: ``worker r``, ``stage s (rank r)`` or ``stage s replica i (rank r)``."""

@@ -89,9 +89,10 @@ def _plan_file(tmp: Path, **change) -> Path:
     return f
 
 
-def _other_strategys_checkpoint(tmp: Path) -> None:
+def _other_models_checkpoint(tmp: Path) -> None:
     train(strategy="ddp", stages=None, workers=2, checkpoint_dir=tmp, epochs=1)
-    train(strategy="pipe-sgd", stages=None, workers=2, checkpoint_dir=tmp, resume=True)
+    other = torch.nn.Sequential(*list(mlp())[:-1], torch.nn.Linear(6, 3, bias=False)).double()
+    train(model=other, strategy="pipe-sgd", stages=None, workers=2, checkpoint_dir=tmp, resume=True)
 
 
 def _port_in_use(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,8 +136,8 @@ API_CASES = [
      r"checkpoint_dir '.*test_bad_input\.py/ckpt' is not usable \(Not a directory\)"),
     ("resume without checkpoint dir", lambda t, m: train(resume=True), r"resume=True needs checkpoint_dir"),
     ("restarts without checkpoint dir", lambda t, m: train(max_restarts=2), r"max_restarts needs checkpoint_dir"),
-    ("checkpoint of another strategy", lambda t, m: _other_strategys_checkpoint(t),
-     r"belongs to another job \(strategy: saved ddp, this job pipe-sgd\)"),
+    ("checkpoint of another model", lambda t, m: _other_models_checkpoint(t),
+     r"belongs to another job \(model: saved [0-9a-f]+, this job [0-9a-f]+\); resume with the same model"),
     ("port already in use", _port_in_use, r"port \d+ on 127\.0\.0\.1 is in use .* 3 times"),
     ("strategy auto: model and data of two dtypes", lambda t, m: train(model=mlp().float(), stages=None,
                                                                        strategy="auto", workers=2),
@@ -146,7 +147,7 @@ API_CASES = [
      r"^the model failed on the dataset's first minibatch while pipetrain profiled it to plan: RuntimeError"),
 ]
 IN_WORKERS = {"inputs change shape", "loss is not a scalar", "output the loss cannot take",
-              "checkpoint of another strategy", "port already in use"}
+              "checkpoint of another model", "port already in use"}
 """The cases whose error comes from the workers (or a job run first): they start processes."""
 
 

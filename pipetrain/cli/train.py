@@ -103,7 +103,7 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the shuffling and every worker's random generator")
     p.add_argument("--no-shuffle", action="store_true", help="keep dataset order: minibatch t is items [tB, (t+1)B)")
     p.add_argument("--checkpoint-dir", default=None, help="each worker saves its state here after every epoch")
-    p.add_argument("--resume", action="store_true", help="restart from the newest epoch all workers saved")
+    p.add_argument("--resume", action="store_true", help="restart from the newest epoch all workers saved, on this split or another")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="when a worker dies or goes silent, restart every worker from the newest checkpoint, up to N "
                         "times (needs --checkpoint-dir)")

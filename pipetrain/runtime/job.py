@@ -12,6 +12,7 @@ import os
 import resource
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.tied import edges as tied_edges
 from pipetrain.runtime.loader import Inline, Loaders, Recipe
 from pipetrain.runtime.parts import Part, Source, build
+from pipetrain.runtime.restore import load_named, named_state, optimized_names, restore
 from pipetrain.runtime.outcome import RankResult
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
@@ -78,31 +80,36 @@ def prepare_process(cfg: JobConfig) -> None:
 
 
 def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Channel, sync: GradSync | None,
-                 stage: nn.Module, start: Start = Start(), exchange_ties: bool = True) -> Worker:
+                 stage: nn.Module, start: Start = Start(), exchange_ties: bool = True,
+                 aliases: Mapping[str, tuple[str, ...]] | None = None) -> Worker:
     """``rank``'s worker as the job runs it, around ``stage`` (built on ``device``: its stage, the whole
     model for data parallelism), ``transport`` and ``sync``: its optimizer and weight policy, restored
-    from the checkpoint of the epoch ``start`` resumes after, if any. For a looped schedule ``rank`` is
-    the stage, as if it had a worker of its own. With ``exchange_ties`` False, a stage's copy of a tied
-    parameter trains on its own (a worker run alone, for its timings)."""
+    from the checkpoint of the epoch ``start`` resumes after, if any, by the model's names, whatever
+    the layout that saved it (``aliases``: every name of each tied parameter;
+    :mod:`pipetrain.runtime.restore`). For a looped schedule ``rank`` is the stage, as if it had a
+    worker of its own. With ``exchange_ties`` False, a stage's copy of a tied parameter trains on its
+    own (a worker run alone, for its timings)."""
     t, layout = cfg.training, cfg.layout
     stage_idx = layout.stage_of(rank)
     tied = TiedCopies(stage, cfg.ties, layout, rank, transport) \
         if exchange_ties and any(stage_idx in tie.stages for tie in cfg.ties) else None
     borrowed = tied.borrowed if tied is not None else set()
-    params = [p for n, p in stage.named_parameters() if p.requires_grad and n not in borrowed]
-    optimizer = t.optimizer(params) if params else None
+    named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad and n not in borrowed]
+    optimizer = t.optimizer([p for _, p in named]) if named else None
     scheduler = t.lr_scheduler(optimizer) if optimizer is not None and t.lr_scheduler is not None else None
     version, history = 0, []
     if start.resume_from is not None:
         assert cfg.run.checkpoint_dir is not None
-        state = checkpoint.load(cfg.run.checkpoint_dir, rank, start.resume_from)
-        stage.load_state_dict(state["model"])
+        names = [n for n, _ in named]
+        state = restore(cfg.run.checkpoint_dir, start.resume_from, rank, stage, names, aliases or {},
+                        history=rank == layout.first_reporter)
+        stage.load_state_dict(state.model)
         if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            load_named(optimizer, state.optimizer, names)
         if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        version, history = state["version"], state.get("history", [])
-        _set_rng(state["rng"], device)  # dropout and the like go on as if never stopped
+            scheduler.load_state_dict(state.scheduler)
+        version, history = state.version, state.history
+        _set_rng(state.rng, device)  # dropout and the like go on as if never stopped: [Note: resume by name]
     policy = POLICIES[cfg.policy_name(stage_idx)](stage, tied.names if tied is not None else ())
     policy.version = version
     if tied is not None:
@@ -141,7 +148,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
         key = part.stage if cfg.looped else rank  # a looped stage's Worker runs as rank = its stage
         modules[key] = build(part, source, device)
         channel = multi.StageChannel(transport, part.stage, world) if cfg.looped else transport
-        workers[key] = build_worker(cfg, key, device, channel, sync, modules[key], start)
+        workers[key] = build_worker(cfg, key, device, channel, sync, modules[key], start, aliases=source.aliases)
         if cfg.run.loader_workers and part.stage in (0, layout.num_stages - 1):  # a middle stage reads no data
             workers[key].source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
                                           pin=device.type == "cuda")
@@ -201,8 +208,8 @@ def _write(cfg: JobConfig, rank: int, workers: dict[int, Worker], modules: dict[
     out: dict[str, list[str]] = {}
     for key, worker in workers.items():
         borrowed = worker.tied.borrowed if worker.tied is not None else set()
-        out.update(saving.write_stage(cfg.run.save, cfg.layout.stage_of(key), cfg.layout.num_stages, modules[key],
-                                      borrowed, source.aliases))
+        out.update(saving.write_stage(cfg.run.save, cfg.layout.stage_of(key), cfg.layout.num_stages,
+                                      modules[key].state_dict(), borrowed, source.aliases))
     return out
 
 
@@ -230,7 +237,8 @@ def _save(cfg: JobConfig, rank: int, epoch: int, worker: Worker, stage: nn.Modul
     assert cfg.run.checkpoint_dir is not None
     optimizer = worker.optimizer
     checkpoint.save(cfg.run.checkpoint_dir, rank, epoch, {
-        "model": stage.state_dict(), "optimizer": optimizer.state_dict() if optimizer else {},
+        "model": stage.state_dict(),
+        "optimizer": named_state(optimizer, optimized_names(optimizer, stage)) if optimizer else {},
         "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else {},
         "epoch": epoch, "version": worker.policy.version, "rng": _rng(device),
         "history": [asdict(h) for h in worker.history] if cfg.layout.reporter(rank) else []},

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.runtime import checkpoint
 from pipetrain.weightfiles import join_shards, shard_name, write_index, write_shard
 
 TORCH_FILES = (".pt", ".pth", ".bin")
@@ -64,13 +65,13 @@ def shard_path(save: str | os.PathLike, stage: int, stages: int) -> Path:
     return path / shard_name(stage, stages)
 
 
-def write_stage(save: str | os.PathLike, stage: int, stages: int, module: nn.Module, borrowed: set[str],
-                aliases: Mapping[str, tuple[str, ...]]) -> dict[str, list[str]]:
-    """Write ``module``'s state as ``stage``'s shard, each tensor under the first name of its tie and
-    those another stage owns (``borrowed``, by any name) left out; return ``{shard file: its keys}``."""
+def write_stage(save: str | os.PathLike, stage: int, stages: int, state: Mapping[str, torch.Tensor],
+                borrowed: set[str], aliases: Mapping[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    """Write ``state`` (a stage module's) as ``stage``'s shard, each tensor under the first name of its
+    tie and those another stage owns (``borrowed``, by any name) left out; return ``{shard file: its keys}``."""
     skip = {aliases.get(name, (name,))[0] for name in borrowed}
     tensors: dict[str, torch.Tensor] = {}
-    for key, value in module.state_dict().items():
+    for key, value in state.items():
         name = aliases.get(key, (key,))[0]
         if name not in skip:
             tensors.setdefault(name, value)
@@ -102,5 +103,28 @@ def finish(save: str | os.PathLike, shards: Mapping[str, list[str]], model: nn.M
 
 def write_whole(save: str | os.PathLike, model: nn.Module, aliases: Mapping[str, tuple[str, ...]]) -> None:
     """Write a model held whole in this process (one gathered from a checkpoint) as ``save`` says."""
-    shards = {} if gathered_only(save) else write_stage(save, 0, 1, model, set(), aliases)
+    shards = {} if gathered_only(save) else write_stage(save, 0, 1, model.state_dict(), set(), aliases)
     finish(save, shards, model, model)
+
+
+def write_checkpoint(save: str | os.PathLike, directory: str | os.PathLike, epoch: int, model: nn.Module,
+                     aliases: Mapping[str, tuple[str, ...]]) -> None:
+    """Write the model the workers checkpointed after ``epoch`` as ``save`` says (a directory or a
+    ``.safetensors`` file), never whole in one process: a shard per checkpoint file that holds tensors
+    no earlier file holds (a data-parallel job's first file, a replicated stage's first replica's), each
+    file read alone, memory-mapped. ``model`` gives the Hugging Face configuration, if it has one."""
+    manifests = checkpoint.whole(directory, epoch)
+    assert manifests is not None, "resume_epoch chose this epoch"
+    written: set[str] = set()
+    plan: list[tuple[int, set[str]]] = []  # (rank, the names it holds that an earlier file writes)
+    for rank, manifest in enumerate(manifests):
+        held = manifest["holds"]["model"]
+        new = {aliases.get(n, (n,))[0] for n in held} - written
+        if new:
+            plan.append((rank, {n for n in held if aliases.get(n, (n,))[0] not in new}))
+            written |= new
+    shards: dict[str, list[str]] = {}
+    for shard, (rank, borrowed) in enumerate(plan):
+        shards.update(write_stage(save, shard, len(plan), checkpoint.load(directory, rank, epoch)["model"], borrowed,
+                                  aliases))
+    finish(save, shards, model, None)
