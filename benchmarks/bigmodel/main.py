@@ -12,7 +12,7 @@ from typing import Any
 
 from bigmodel.model import SIZES, config_of, job_data, parameters, write_checkpoint
 from bigmodel.ours import run_pipetrain, saved_loss
-from bigmodel.report import GIB, largest_table, table, verdict
+from bigmodel.report import GIB, largest_table, ours_summary, table, torch_summary, verdict
 from bigmodel.torch_recipe import run_torch
 from pipetrain.config import shared_cores
 from pipetrain.errors import one_line
@@ -33,6 +33,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", type=Path, default=None, help="the initial checkpoint (default WORKDIR/SIZE); "
                     "written if missing, reused if there")
     ap.add_argument("--out", type=Path, default=None, help="keep the trained model here (default: removed)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each system, taking turns; medians shown")
     ap.add_argument("--updates", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
@@ -58,7 +59,8 @@ def _nothing() -> None:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    """Both systems on one size; prints as it goes and returns every number."""
+    """Both systems on one size, ``--repeats`` times each, taking turns to go first; prints as it goes
+    and returns every number."""
     config = config_of(args.size)
     n = parameters(config)
     checkpoint = args.checkpoint or args.workdir / args.size
@@ -73,25 +75,36 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     warm_launcher()
     data = job_data(config, args.updates, args.batch, args.seq)
     threads = shared_cores(RANKS)
-    shutil.rmtree(out, ignore_errors=True)
-    ours = run_pipetrain(config, checkpoint, out, data, args.batch, args.microbatches, args.lr, threads, args.timeout)
-    print(f"pipetrain: losses {ours['losses']}, phases {ours['phases']}", flush=True)
-    loaded = saved_loss(out, *data[:args.batch])
+
+    def ours() -> dict[str, Any]:
+        shutil.rmtree(out, ignore_errors=True)
+        return run_pipetrain(config, checkpoint, out, data, args.batch, args.microbatches, args.lr, threads,
+                             args.timeout)
+
+    jobs = {"pipetrain": ours, "torch": lambda: run_torch(checkpoint, *data[:], args.batch, args.microbatches,
+                                                           args.lr, threads, RANKS)}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
+    for repeat in range(args.repeats):
+        for name in sorted(jobs, reverse=repeat % 2 == 1):
+            runs[name].append(jobs[name]())
+            losses = runs[name][-1]["losses"] if name == "pipetrain" else runs[name][-1]["ranks"][-1]["losses"]
+            print(f"{name}: losses {losses}", flush=True)
+    last = runs["pipetrain"][-1]["losses"]
+    loaded = saved_loss(out, *data[:args.batch])  # the last pipetrain run's save
     if args.out is None:
         shutil.rmtree(out)
-    theirs = run_torch(checkpoint, *data[:], args.batch, args.microbatches, args.lr, threads, RANKS)
-    print(f"torch: losses {theirs['ranks'][-1]['losses']}", flush=True)
-    met, line = verdict(ours, theirs)
-    check = {"pipetrain": ours["losses"][-1], "from_pretrained": loaded, "difference": loaded - ours["losses"][-1],
-             "before_training": ours["losses"][0]}
+    ours_median, theirs_median = ours_summary(runs["pipetrain"]), torch_summary(runs["torch"])
+    met, line = verdict(ours_median, theirs_median)
+    check = {"pipetrain": last[-1], "from_pretrained": loaded, "difference": loaded - last[-1],
+             "before_training": last[0]}
     found = {"size": args.size, "parameters": n, "checkpoint": str(checkpoint), "checkpoint_written": wrote,
-             "pipetrain": ours, "torch": theirs, "loss_check": check,
+             "runs": runs, "pipetrain": ours_median, "torch": theirs_median, "loss_check": check,
              "caller_peak_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "verdict": met}
-    print(table(ours, theirs))
+    print(f"\nmedians of {args.repeats} run(s) each:\n{table(ours_median, theirs_median)}")
     print(f"\nloss check, minibatch 0 under the saved weights: pipetrain {check['pipetrain']:.7f}, from_pretrained "
           f"in a fresh process {loaded:.7f}, difference {check['difference']:.1e} (before training: "
           f"{check['before_training']:.7f})")
-    worst = max(abs(a - b) for a, b in zip(ours["losses"], theirs["ranks"][-1]["losses"]))
+    worst = max(abs(a - b) for a, b in zip(last, runs["torch"][-1]["ranks"][-1]["losses"]))
     print(f"the same losses in both systems: largest difference {worst:.1e}")
     print(f"this process's peak memory: {found['caller_peak_memory'] / GIB:.2f} GiB; the model's weights: "
           f"{4 * n / GIB:.2f} GiB")
