@@ -83,9 +83,9 @@ def largest_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         run = row.get("pipetrain")
         if run is None:
-            lines.append(f"| {row['size']} | {row['parameters'] / 1e9:.2f} B | no: {row['error']} | | | | |")
+            lines.append(f"| {row['size']} | {row['parameters']:,} | no: {row['error']} | | | | |")
             continue
         p = run["phases"]
-        lines.append(f"| {row['size']} | {row['parameters'] / 1e9:.2f} B | yes | {max(run['peak_memory']) / GIB:.2f} | "
+        lines.append(f"| {row['size']} | {row['parameters']:,} | yes | {max(run['peak_memory']) / GIB:.2f} | "
                      f"{p['start_s']:.1f} | {p['first_update_s']:.2f} | {p['save_s']:.2f} |")
     return "\n".join(lines)
