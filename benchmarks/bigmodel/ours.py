@@ -15,9 +15,7 @@ minibatch's under the initial weights: that it differs shows the saved weights a
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +27,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import pipetrain
 from bigmodel.model import lm_loss, meta_model, output_loss, stage_starts, trained_then_probe
+from pipetrain.runtime.launch import spawn
 
 
 def run_pipetrain(config: LlamaConfig, checkpoint: Path, out: Path, data: TensorDataset, batch: int,
                   microbatches: int, lr: float, threads: int, timeout: float) -> dict[str, Any]:
     """One epoch over ``data``, one SGD step per minibatch in order, the last at learning rate 0 ([Note:
     the loss check]), with ``weights=checkpoint`` and ``save=out``; what :mod:`bigmodel.report` shows."""
+    rates = functools.partial(LambdaLR, lr_lambda=trained_then_probe(len(data) // batch))
     called = time.perf_counter()
     result = pipetrain.train(meta_model(config), data, loss_fn=output_loss, stages=stage_starts(config),
-                             optimizer=functools.partial(torch.optim.SGD, lr=lr),
+                             optimizer=functools.partial(torch.optim.SGD, lr=lr), lr_scheduler=rates,
                              schedule=pipetrain.OneFOneBFlush(microbatches), batch_size=batch, shuffle=False,
-                             lr_scheduler=functools.partial(LambdaLR, lr_lambda=trained_then_probe(len(data) // batch)),
                              weights=checkpoint, save=out, threads=threads, timeout=timeout)
     predicted = getattr(result, "predicted_memory", None)  # per worker, where this pipetrain predicts it
     return {"call_s": time.perf_counter() - called, "phases": result.phases, "peak_memory": result.peak_memory,
@@ -48,11 +47,10 @@ def run_pipetrain(config: LlamaConfig, checkpoint: Path, out: Path, data: Tensor
 
 
 def saved_loss(directory: Path, x: torch.Tensor, y: torch.Tensor) -> float:
-    """The loss on ``(x, y)`` of the model ``save_pretrained`` wrote in ``directory``, computed in a fresh
-    process, so that this one never holds the model."""
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(_loss_of, str(directory), x, y).result()
+    """The loss on ``(x, y)`` of the model saved in ``directory`` (as ``save_pretrained`` lays it out),
+    computed in a fresh process (started as pipetrain starts its workers), so that this one never holds
+    the model."""
+    return spawn(_loss_of, 1, (str(directory), x, y))[0]
 
 
 def _loss_of(directory: str, x: torch.Tensor, y: torch.Tensor) -> float:

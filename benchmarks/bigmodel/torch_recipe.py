@@ -25,11 +25,12 @@ from pipetrain.weightfiles import INDEX
 
 
 class Piece(nn.Module):
-    """One rank's decoder layers of a ``LlamaForCausalLM``, the first rank's with the embedding, the last
-    rank's with the final norm and head; the modules of other ranks are deleted (``None``), each kept
-    one under the model's own name, so the checkpoint's keys load as they are. ``PipelineStage`` calls it
-    with one tensor (token ids on the first rank, hidden states after) and sends on the one it returns,
-    which the model's own forward, starting from token ids, cannot do in the middle of the stack.
+    """One rank's decoder layers of a ``LlamaForCausalLM`` (the first rank's with the embedding, the last
+    rank's with the final norm and head), each module under the model's own name so that the
+    checkpoint's keys load as they are; what other ranks hold is deleted (set to ``None``).
+    ``PipelineStage`` calls it with one tensor (token ids on the first rank, hidden states after) and
+    sends on the one it returns: the model's own forward starts from token ids, so it cannot run a
+    piece of the stack.
     """
 
     def __init__(self, model: LlamaForCausalLM, layers: range, last: bool) -> None:
@@ -48,7 +49,8 @@ class Piece(nn.Module):
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         rotary = inner.rotary_emb(h, positions)
         for layer in inner.layers.values():
-            h = layer(h, position_embeddings=rotary, position_ids=positions)  # no mask: causal attention
+            # no mask: attention is then causal, as the whole model's is without padding
+            h = layer(h, position_embeddings=rotary, position_ids=positions)
         return h if self.lm_head is None else self.lm_head(inner.norm(h))
 
 
