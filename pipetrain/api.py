@@ -311,10 +311,13 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
     if cfg.run.save is not None and int(os.environ.get("RANK", "0")) == 0:
         saving.finish(cfg.run.save, {k: v for r in reports for k, v in r.saved.items()}, model, result.model)
         result.saved = cfg.run.save
+    written = time.perf_counter()
     result.started, result.restarts, result.epochs_trained = started, restarts, cfg.training.epochs - first_epoch
     if not under_torchrun() and result.history:  # the workers share this process's clock
         ready = max(part.ready for part in reports)
         result.phases = {"start_s": ready - launched, "first_update_s": result.history[0]["time"] - ready}
+        if cfg.run.save is not None:  # the stages write at once: the call waits from the last one's start
+            result.phases["save_s"] = written - max(part.writing for part in reports)
     if cfg.run.trace_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         what = f"{cfg.strategy.name}, {cfg.world} workers" if cfg.data_parallel else \
             f"{cfg.schedule.name if cfg.schedule else ''}, stages {list(cfg.layout.boundaries or ())}"

@@ -74,7 +74,8 @@ class TrainResult:
             into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
             and ``plan_s``; ``start_s`` (from starting the workers until each held its stage) and
             ``first_update_s`` (from then to the first update), these two where this call started the
-            workers (not under torchrun).
+            workers (not under torchrun); with ``save``, also what it spent after training,
+            ``save_s``: from the last worker beginning to write its stage until the model was written.
         saved: where ``save`` wrote the trained model, or None.
     """
 

@@ -1,7 +1,8 @@
-"""The scripts in benchmarks/ run: sim_vs_real and dp_predictions end to end on small runs,
+"""The scripts in benchmarks/ run: sim_vs_real, dp_predictions and big_model end to end on small runs,
 time_to_accuracy's arguments.
 
-Their numbers are not checked (a tiny model on a shared machine says nothing); that they come out is.
+Their speeds are not checked (a tiny model on a shared machine says nothing); that they come out is, and
+what they check of their results (big_model's saved model and its losses beside torch's).
 """
 from __future__ import annotations
 
@@ -82,3 +83,19 @@ def test_recompute_reports_the_stashed_bytes(tmp_path: Path) -> None:
     assert [(r["schedule"], r["recompute"]) for r in rows][:2] == [("pipedream", False), ("pipedream", True)]
     gpipe = [r for r in rows if r["schedule"] == "gpipe(m=4)"]
     assert gpipe[1]["activation_bytes"][0] < gpipe[0]["activation_bytes"][0]
+
+
+def test_big_model_saves_the_trained_model_and_trains_as_torch_does(tmp_path: Path) -> None:
+    out = tmp_path / "big.json"
+    done = run("big_model.py", "--size", "tiny", "--workdir", str(tmp_path), "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| system | rank | peak memory GiB |" in done.stdout and "verdict: pipetrain <= torch" in done.stdout
+    found = json.loads(out.read_text())
+    check = found["loss_check"]
+    # the saved model is the trained one: its loss is the probe step's, not the initial weights'
+    assert abs(check["difference"]) < 1e-4 < abs(check["pipetrain"] - check["before_training"])
+    ours, theirs = found["runs"]["pipetrain"][0], found["runs"]["torch"][0]
+    assert ours["lrs"][-1] == 0 and ours["phases"]["save_s"] > 0 and len(ours["peak_memory"]) == 4
+    # both systems trained the same job
+    assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["ranks"][-1]["losses"])) < 1e-4
+    assert not (tmp_path / "tiny-trained").exists() and (tmp_path / "tiny" / "config.json").exists()

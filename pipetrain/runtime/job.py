@@ -194,6 +194,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
     transport.close()
     report = _report(cfg, rank, ready, runner, workers, modules,
                      transport.bytes_sent + (sync.bytes_sent if sync else 0), sync.stats() if sync else {})
+    report.writing = time.perf_counter()
     report.saved = _write(cfg, rank, workers, modules, source) if cfg.run.save is not None else {}
     return report
 

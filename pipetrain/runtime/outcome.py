@@ -29,6 +29,7 @@ class RankResult:
         weight_versions: the most versions of its weights it held at once.
         peak_memory: the process's peak resident memory, bytes.
         saved: the shard files it wrote with ``save`` and the keys in each.
+        writing: ``perf_counter`` when it had trained and began writing ``save`` (if given).
     """
 
     rank: int
@@ -44,3 +45,4 @@ class RankResult:
     weight_versions: int
     peak_memory: int
     saved: dict[str, list[str]] = field(default_factory=dict)
+    writing: float = 0.0
