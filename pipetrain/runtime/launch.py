@@ -122,9 +122,9 @@ def _heartbeat(beat: Path) -> None:
     threading.Thread(target=loop, daemon=True, name="pipetrain-heartbeat").start()
 
 
-def _child(rank: int, world: int, port: int, workdir: str, caller: int, mp_dir: str) -> None:
+def _child(rank: int, world: int, port: int, workdir: str, caller: int, leftovers: tuple[str, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it stops the workers
-    _die_with_caller(caller, (workdir, mp_dir))
+    _die_with_caller(caller, (workdir, *leftovers))
     _heartbeat(_beat(workdir, rank))
     _stacks_on_request(Path(workdir) / f"stacks{rank}.txt")
     keep_freed_memory()
@@ -150,12 +150,14 @@ def _child(rank: int, world: int, port: int, workdir: str, caller: int, mp_dir: 
 
 def spawn(fn: Callable[..., Any], world: int, args: tuple | Callable[[int], tuple],
           describe: Callable[[int], str] = "rank {}".format, poll_s: float = 0.05, silent_after: float | None = None,
-          log_dir: str | os.PathLike | None = None, timeout: float | None = None) -> list[Any]:
+          log_dir: str | os.PathLike | None = None, timeout: float | None = None,
+          scratch: tuple[str, ...] = ()) -> list[Any]:
     """Run ``fn(*args)`` in ``world`` processes with RANK/WORLD_SIZE set; return each rank's result.
 
     ``args`` may be a function of the rank giving that rank's arguments: each rank is then sent only
     its own (a pipeline worker its stage), made just before its process starts, so the caller never
-    holds every rank's at once.
+    holds every rank's at once. ``scratch``: the caller's temporary directories the workers read from,
+    which they remove if the caller is killed (:func:`_die_with_caller`), as the caller cannot.
 
     Results travel through ``torch.save``/``torch.load(weights_only=True)``: plain data and tensors.
     Each worker shows a sign of life every HEARTBEAT_S; one that shows none for ``silent_after``
@@ -177,7 +179,7 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple | Callable[[int], tupl
     for attempt in range(PORT_TRIES):
         try:
             return _spawn_once(ctx, fn, args_of, world, _free_port(), describe, poll_s, silent_after, log_dir,
-                               timeout)
+                               timeout, scratch)
         except PipetrainError as e:
             if (_PORT_TAKEN not in str(e) and e.kind != "unstarted") or attempt == PORT_TRIES - 1:
                 raise
@@ -195,10 +197,10 @@ _PORT_TAKEN = "on 127.0.0.1 is in use"
 
 def _spawn_once(ctx: Any, fn: Callable[..., Any], args_of: Callable[[int], tuple], world: int, port: int,
                 describe: Callable[[int], str], poll_s: float, silent_after: float | None,
-                log_dir: str | os.PathLike | None, timeout: float | None) -> list[Any]:
+                log_dir: str | os.PathLike | None, timeout: float | None, scratch: tuple[str, ...] = ()) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
         mp_dir = multiprocessing.util.get_temp_dir()  # the fork server's socket lives there
-        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, os.getpid(), mp_dir),
+        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, os.getpid(), (mp_dir, *scratch)),
                              daemon=False) for r in range(world)]
         started = []
         since = time.monotonic()

@@ -28,6 +28,7 @@ from torch import nn
 
 from pipetrain.initialize import assign, initial_values, meta_names
 from pipetrain.layers import LayeredModel
+from pipetrain.runtime.launch import under_torchrun
 from pipetrain.stagecode import portable, set_device
 from pipetrain.weightfiles import WeightFiles, write_shard
 
@@ -89,8 +90,8 @@ class Shipment:
         layers: the model cut into layers, or None for data parallelism (the whole model).
         model: the caller's model.
         source: the job's :class:`Source`.
-    The stages' files go in a temporary directory made at the first, removed by :meth:`close` (the
-    caller's, once the workers are done).
+    Used as a context: the stages' files go in a temporary directory (where tensors are shipped),
+    removed on leaving it, once the workers are done.
     """
 
     def __init__(self, layers: LayeredModel | None, model: nn.Module, source: Source) -> None:
@@ -99,19 +100,24 @@ class Shipment:
         self._written: dict[int, str] = {}
 
     def __enter__(self) -> Shipment:
+        if self.source.ships_tensors and not under_torchrun():  # under torchrun nothing travels
+            self.directory = Path(tempfile.mkdtemp(prefix="pipetrain-stages-"))
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
 
+    @property
+    def scratch(self) -> tuple[str, ...]:
+        """The directory the workers read from, if any (for :func:`pipetrain.runtime.launch.spawn`)."""
+        return () if self.directory is None else (str(self.directory),)
+
     def parts(self, stages: list[tuple[int, int, int]]) -> list[Part]:
         """The parts of a worker holding ``(stage, first layer, last layer)`` each (data parallelism: [])."""
         out = []
         for s, module in modules_of(self.layers, self.model, stages):
-            if self.source.ships_tensors and s not in self._written:
-                if self.directory is None:
-                    self.directory = Path(tempfile.mkdtemp(prefix="pipetrain-stages-"))
+            if self.directory is not None and s not in self._written:
                 self._written[s] = str(self.directory / f"stage{s}.safetensors")
                 write_shard(Path(self._written[s]), _first_names(module))
             out.append(Part(s, meta_copy(module), self._written.get(s)))
