@@ -139,3 +139,15 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(map_tensors(v, fn) for v in value)
     return value
+
+
+def shapes_of(value: Any) -> Any:
+    """The shapes in a collated value (a tensor, or nested tuples, lists or dicts of tensors), to compare
+    one minibatch's with another's."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, dict):
+        return {k: shapes_of(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return tuple(shapes_of(v) for v in value)
+    return type(value).__name__

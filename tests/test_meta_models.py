@@ -218,3 +218,21 @@ def test_a_meta_model_cannot_be_saved_as_a_gathered_state_dict(tmp_path):
     with pytest.raises(ValueError, match=r"save='.*model.pt' is a torch.save'd state dict of the model gathered") as e:
         pipetrain.train(on_meta(mlp), dataset(), stages=STAGES, save=tmp_path / "model.pt", **ARGS)
     one_line(e)
+
+
+@pytest.mark.multiprocess
+def test_evaluation_runs_an_exported_model_in_its_microbatches(tmp_path):
+    """A stage torch.export captured is made for a microbatch's shapes: evaluation runs microbatch by
+    microbatch too, and its loss is the mean over the held-out samples."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    result = pipetrain.train(model, Tokens(), eval_dataset=Tokens(16), loss_fn=lm_loss, timeout=120,
+                             optimizer=functools.partial(torch.optim.SGD, lr=0.0), batch_size=8, shuffle=False,
+                             schedule=pipetrain.GPipe(microbatches=2), stages=["model.layers.1"])
+    with torch.no_grad():
+        batch = Tokens(16).ids
+        want = sum(float(lm_loss(model(input_ids=batch[i:i + 8, :-1]), batch[i:i + 8, 1:])) for i in (0, 8)) / 2
+    assert result.history[-1]["eval"]["loss"] == pytest.approx(want, abs=1e-6)

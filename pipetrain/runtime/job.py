@@ -266,8 +266,8 @@ def _evaluate(cfg: JobConfig, worker: Worker | multi.LocalStages, epoch: int, de
     metrics = t.metrics or {}
     n_items = len(t.eval_dataset)  # type: ignore[arg-type]
     batches = epoch_order(n_items, t.batch_size, 0, False, 0, 1)
-    schedule = interleaved.evaluation(cfg.world, cfg.layout.num_stages, len(batches)) if cfg.looped else \
-        evaluation(cfg.layout.replicas, len(batches), cfg.data_parallel)
+    schedule = interleaved.evaluation(cfg.world, cfg.layout.num_stages, len(batches), cfg.microbatches) \
+        if cfg.looped else evaluation(cfg.layout.replicas, len(batches), cfg.data_parallel, cfg.microbatches)
     sums = torch.tensor(worker.evaluate(schedule, batches, metrics), dtype=torch.float64,
                         device=device)
     dist.all_reduce(sums)  # the output stage's sums (every data-parallel worker's shards) reach every rank

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from pipetrain.batches import call, microbatch, tensors_of, to_device
+from pipetrain.batches import call, microbatch, shapes_of, tensors_of, to_device
 from pipetrain.errors import one_line
 from pipetrain.layers import flatten, received, unflatten
 from pipetrain.runtime.footprint import Footprint, saved
@@ -201,18 +201,20 @@ class Worker:
             self._out[(a.mb, a.micro)] = Message(a.mb, a.micro, self.policy.version, tensors, is_tuple)
             return
         assert self._scores is not None
-        target = to_device(self._batch(a.mb, 1), self.device)
+        m = self._sched.microbatches
+        target = microbatch(to_device(self._batch(a.mb, 1), self.device), a.micro, m)
         with self._autocast():
             values = [self._loss(out, target, a.mb)]
         for name, metric in self._metrics.items():
             with self._blame(f"metric {name!r} on minibatch {a.mb}"):
                 values.append(metric(out, target))
-        n = len(self._batches[a.mb]) // self.shard[1]
+        n = len(self._batches[a.mb]) // self.shard[1] // m
         for i, v in enumerate(values):
             self._scores[i] += float(v) * n
         self._scores[-1] += n
-        self._collated.pop((a.mb, 0), None)
-        self._collated.pop((a.mb, 1), None)
+        if a.micro in (None, m - 1):
+            self._collated.pop((a.mb, 0), None)
+            self._collated.pop((a.mb, 1), None)
 
     def _autocast(self) -> Any:
         """Autocast to bfloat16 with ``precision="bf16"``; nothing otherwise."""
@@ -285,7 +287,7 @@ class Worker:
 
     def _check_shapes(self, mb: int, part: int, value: Any) -> None:
         """A pipeline's minibatches all have the first one's shapes, or a StageError says to pad."""
-        shapes = _shapes(value)
+        shapes = shapes_of(value)
         first = self._shapes.setdefault(part, shapes)
         if shapes != first:
             what = "inputs" if part == 0 else "targets"
@@ -479,17 +481,6 @@ def append_json(path: Path, record: dict[str, Any]) -> None:
     """Append ``record`` to a JSON-lines file."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _shapes(value: Any) -> Any:
-    """The shapes in a collated value (a tensor, or nested tuples/lists/dicts of tensors)."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
-    if isinstance(value, dict):
-        return {k: _shapes(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return tuple(_shapes(v) for v in value)
-    return type(value).__name__
 
 
 def _describe(value: Any) -> str:

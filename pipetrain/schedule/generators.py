@@ -274,12 +274,16 @@ def data_parallel(workers: int, minibatches: int, staleness: int = 1, name: str 
     return Schedule(name, (workers,), tuple(map(tuple, lists)), sharded=True)
 
 
-def evaluation(replicas: Sequence[int], minibatches: int, sharded: bool = False) -> Schedule:
+def evaluation(replicas: Sequence[int], minibatches: int, sharded: bool = False, microbatches: int = 1) -> Schedule:
     """Forward only (evaluation at an epoch's end): each minibatch through every stage, replica
-    ``mb mod r`` of each; ``sharded`` (data parallelism): every worker runs every minibatch on its shard."""
+    ``mb mod r`` of each, in the ``microbatches`` the training runs (a stage captured by ``torch.export``
+    is made for that microbatch's shapes); ``sharded`` (data parallelism): every worker runs every
+    minibatch on its shard."""
+    micros = list(range(microbatches)) if microbatches > 1 else [None]
     if sharded:
         compute = [[Action(FORWARD, mb) for mb in range(minibatches)] for _ in range(replicas[0])]
     else:
-        compute = [[Action(FORWARD, mb) for mb in range(i, minibatches, r)] for r in replicas for i in range(r)]
+        compute = [[Action(FORWARD, mb, micro) for mb in range(i, minibatches, r) for micro in micros]
+                   for r in replicas for i in range(r)]
     return Schedule("evaluation", tuple(replicas), tuple(tuple(acts) for acts in p2p_pass(replicas, compute)),
-                    sharded=sharded)
+                    microbatches if not sharded else 1, sharded=sharded)

@@ -99,9 +99,11 @@ def p2p_pass(stages: int, compute: Lists) -> Lists:
     return out
 
 
-def evaluation(workers: int, stages: int, minibatches: int) -> Schedule:
-    """Forward only (evaluation): each worker runs minibatch by minibatch the forwards of its stages in
+def evaluation(workers: int, stages: int, minibatches: int, microbatches: int = 1) -> Schedule:
+    """Forward only (evaluation): each worker runs microbatch by microbatch the forwards of its stages in
     order, so every forward waits only on one earlier in the same order elsewhere (no deadlock)."""
-    compute = [[Action(FORWARD, mb, None, s) for mb in range(minibatches) for s in range(w, stages, workers)]
-               for w in range(workers)]
-    return Schedule("evaluation", (1,) * stages, tuple(map(tuple, p2p_pass(stages, compute))), looped=workers)
+    micros = list(range(microbatches)) if microbatches > 1 else [None]
+    compute = [[Action(FORWARD, mb, micro, s) for mb in range(minibatches) for micro in micros
+                for s in range(w, stages, workers)] for w in range(workers)]
+    return Schedule("evaluation", (1,) * stages, tuple(map(tuple, p2p_pass(stages, compute))), microbatches,
+                    looped=workers)
