@@ -77,21 +77,21 @@ class Source:
 
     @property
     def ships_tensors(self) -> bool:
-        """Parts carry the caller's tensors (none to load or initialize)."""
+        """The caller's tensors are the values (sent in a file, or shared in process): none to load or
+        initialize."""
         return self.skeleton is None
 
 
 class Shipment:
     """The parts a job's workers are sent: each stage's module on the meta device and, for a model with
-    real weights, a file of its tensors, written once per stage in ``directory`` (a replicated stage's
-    workers, and data-parallel workers, read the same file).
+    real weights, a file of its tensors, written once per stage (a replicated stage's workers, and
+    data-parallel workers, read the same file). Used as a context: the files go in a temporary
+    directory, removed on leaving it, once the workers are done.
 
     Args:
         layers: the model cut into layers, or None for data parallelism (the whole model).
         model: the caller's model.
         source: the job's :class:`Source`.
-    Used as a context: the stages' files go in a temporary directory (where tensors are shipped),
-    removed on leaving it, once the workers are done.
     """
 
     def __init__(self, layers: LayeredModel | None, model: nn.Module, source: Source) -> None:
