@@ -104,7 +104,7 @@ def wide_mlp() -> nn.Sequential:
 @pytest.mark.multiprocess
 def test_predicted_peak_memory_of_a_small_pipeline_is_near_the_measured():
     """A generous bound: the prediction leaves out an optimizer step's temporaries and the allocator's
-    fragmentation (benchmarks/memory_prediction.py holds it to a tighter one)."""
+    fragmentation (benchmarks/memory_prediction.py measures how far it is off, job by job)."""
     data = TensorDataset(torch.randn(256, 512), torch.randint(0, 10, (256,)))
     result = pipetrain.train(wide_mlp(), data, loss_fn=nn.functional.cross_entropy, stages=[0, 4], batch_size=64,
                              optimizer=functools.partial(torch.optim.Adam, lr=1e-3))
