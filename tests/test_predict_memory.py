@@ -148,3 +148,17 @@ def test_stages_auto_plans_and_trains_a_llama_built_on_the_meta_device():
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result.history)
     assert len(result.predicted_memory) == 2 and max(result.predicted_memory) <= 2 * 2 ** 30
     assert "memory_s" not in result.phases  # the profile taken to plan serves the prediction
+
+
+@pytest.mark.multiprocess
+def test_strategy_auto_chooses_and_trains_on_a_model_built_on_the_meta_device():
+    """Priced from a profile taken one layer at a time and a set-up whose step is one layer's; whichever
+    strategy wins, its workers build their model or stage themselves."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    data = TensorDataset(torch.randn(128, 16), torch.randint(0, 4, (128,)))
+    with pytest.warns(pipetrain.PipetrainWarning, match="not gathered"):
+        result = pipetrain.train(model, data, loss_fn=nn.functional.cross_entropy, strategy="auto", workers=2,
+                                 batch_size=16, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    assert result.choice is not None and len(result.history) == 8 and len(result.predicted_memory) == 2
+    assert all(t.is_meta for t in model.state_dict().values())
