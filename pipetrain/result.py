@@ -79,9 +79,9 @@ class TrainResult:
         phases: seconds the call spent before training, by phase: ``capture_s`` (cutting the model
             into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
             and ``plan_s``; where nothing was profiled to plan, ``memory_s`` (profiling each layer once
-            for ``predicted_memory``, and measuring the process baseline); ``start_s`` (from starting the workers until each held its stage) and
-            ``first_update_s`` (from then to the first update), these two where this call started the
-            workers (not under torchrun).
+            for ``predicted_memory``, and measuring the process baseline); ``start_s`` (from starting
+            the workers until each held its stage) and ``first_update_s`` (from then to the first
+            update), these two where this call started the workers (not under torchrun).
         saved: where ``save`` wrote the trained model, or None.
     """
 

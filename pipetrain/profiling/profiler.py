@@ -26,7 +26,13 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     """Measure every layer of ``model`` on one minibatch.
 
     Layer k runs alone, as ``LayeredModel(model).stage(k, k)``, on what layer k - 1 returned, so its
-    times are what a stage holding it would spend.
+    times are what a stage holding it would spend. Times are medians of ``repeats`` runs after
+    ``warmup`` runs. A layer's backward is seeded with ones for each output (or, for the last layer,
+    starts from ``loss_fn``) and computes the gradients of its parameters and, after layer 0, of its
+    inputs, as a pipeline stage must send those back. Its ``weight_backward_s`` is that backward less
+    one of the inputs' gradients alone (all of it at layer 0, none for a layer without parameters):
+    what a split backward (``zero-bubble``'s ``W``) leaves for later. The model's buffers (e.g. batch-norm
+    statistics) are restored afterwards and no ``.grad`` is touched.
 
     [Note: one layer at a time] The layers run on the device of ``sample_batch``. Where the model's
     tensors are there, each layer runs on them. Otherwise (a model built on the meta device, or one
@@ -34,13 +40,7 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     stage (:func:`pipetrain.runtime.parts.layer_stage`: its tensors read from ``weights`` or
     initialized by :mod:`pipetrain.initialize` from ``seed``, or copied), timed, and let go before
     the next: the model is never whole in memory, which holds about its largest layer's tensors and
-    the activations. The values do not matter to the times or bytes measured. Times are medians of ``repeats`` runs after
-    ``warmup`` runs. A layer's backward is seeded with ones for each output (or, for the last layer,
-    starts from ``loss_fn``) and computes the gradients of its parameters and, after layer 0, of its
-    inputs, as a pipeline stage must send those back. Its ``weight_backward_s`` is that backward less
-    one of the inputs' gradients alone (all of it at layer 0, none for a layer without parameters):
-    what a split backward (``zero-bubble``'s ``W``) leaves for later. The model's buffers (e.g. batch-norm
-    statistics) are restored afterwards and no ``.grad`` is touched.
+    the activations. The values do not matter to the times or bytes measured.
 
     Args:
         model: an ``nn.Sequential``, or a module ``torch.fx`` traces or ``torch.export`` captures (on
