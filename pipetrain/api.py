@@ -20,6 +20,8 @@ from pipetrain.layers import LayeredModel
 from pipetrain.layout import Layout
 from pipetrain.planning import Plan, check_fits
 from pipetrain.planning.units import parse_bytes
+from pipetrain.predict.memory import predict_memory
+from pipetrain.profiling import Profile
 from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strategy, as_schedule, as_strategy
 from pipetrain.result import TrainResult, gather, write_trace
 from pipetrain.runtime import checkpoint, saving
@@ -88,8 +90,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         bandwidth: link speed ``stages="auto"`` plans for (default 10 Gbit/s) and ``strategy="auto"``
             predicts at, bytes/s or a string such as ``"1Gbit"``.
         memory_limit: with ``stages="auto"``, the bytes (or ``"16GiB"``) a worker may hold: the plan keeps
-            each stage's weights, stashed weight versions and stashed activations within it, as the
-            schedule and ``recompute`` keep them (:func:`pipetrain.costs.stage_memory_bytes`).
+            each worker's predicted peak within it (:mod:`pipetrain.predict.memory`: its stage's weights,
+            stashed weight versions and stashed activations as the schedule and ``recompute`` keep them,
+            gradients, optimizer state, a replicated stage's allreduce copies and, on the CPU, the
+            worker process's baseline). ``result.predicted_memory`` reports that peak for every job.
         batch_size: samples per minibatch (one optimizer update of the whole job).
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
@@ -186,10 +190,12 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     check_request(chosen, schedule if schedule_auto else picked, stages, workers, bandwidth)
     _check_memory_limit(memory_limit, stages)
     choice, phases = None, {}  # type: dict[str, Any] | None, dict[str, float]
+    profile: Profile | None = None  # the one measured to plan or choose, if any
     if isinstance(chosen, Auto):
         assert workers is not None
         auto_pick = auto.choose(training, run, workers, bandwidth, chosen.allow_compression)
         chosen, picked, stages, choice = auto_pick.strategy, auto_pick.schedule, auto_pick.plan, auto_pick.choice
+        profile = auto_pick.profile
     layers: LayeredModel | None = None
     if chosen.data_parallel:
         assert workers is not None
@@ -198,8 +204,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     else:
         if schedule_auto:
             assert workers is not None
-            picked, plan, predicted, recompute = auto.plan_schedule(training, run, workers, bandwidth, phases,
-                                                                    memory_limit)
+            picked, plan, predicted, recompute, profile = auto.plan_schedule(training, run, workers, bandwidth,
+                                                                             phases, memory_limit)
             if recompute != training.recompute:  # a fresh Training checks the dataset again
                 training = replace(training, recompute=recompute)
         picked = (picked or as_schedule(DEFAULT_SCHEDULE)).placed(workers)
@@ -207,15 +213,31 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
         phases["capture_s"] = time.perf_counter() - (captured if schedule_auto else started)
         if not schedule_auto:
-            plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases,
-                                    memory_limit)
+            plan, predicted, planned = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases,
+                                             memory_limit)
+            profile = profile or planned
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
         cfg = JobConfig(training, run, chosen, picked, layout, layers)
+    _preflight(cfg)
+    profile = profile or _sized(cfg, phases)
+    memory = predict_memory(profile, cfg) if profile is not None else []
     result = _launch(cfg, layers, started, restarted)
     result.plan, result.choice, result.phases = plan, choice, {**phases, **result.phases}
     result.predicted_samples_per_s = choice["predictions"][choice["choice"]] if choice else predicted
+    result.predicted_memory = memory
     return result
+
+
+def _sized(cfg: JobConfig, phases: dict[str, float]) -> Profile | None:
+    """For a job whose stages are given, the profile its memory prediction reads
+    (:func:`pipetrain.auto.sized_profile`: each layer once, on a microbatch or a data-parallel worker's
+    shard; None where the model cannot be profiled), its seconds in ``phases["memory_s"]``."""
+    begun = time.perf_counter()
+    rows = cfg.training.batch_size // (cfg.world if cfg.data_parallel else cfg.microbatches)
+    sized = auto.sized_profile(cfg.training, cfg.run, cfg.world, rows)
+    phases["memory_s"] = time.perf_counter() - begun
+    return sized
 
 
 def _check_memory_limit(memory_limit: float | str | None, stages: Any) -> None:
@@ -230,22 +252,23 @@ def _check_memory_limit(memory_limit: float | str | None, stages: Any) -> None:
 
 def _plan(training: Training, run: RunOptions, schedule: PipelineSchedule, stages: Stages | None, workers: int | None,
           bandwidth: float | str | None, num_layers: int, phases: dict[str, float],
-          memory_limit: float | str | None = None) -> tuple[Plan | None, float | None]:
+          memory_limit: float | str | None = None) -> tuple[Plan | None, float | None, Profile | None]:
     """The plan ``stages`` names (a Plan, a plan JSON path, or ``"auto"``: made here, its phases' seconds
-    added to ``phases``), checked against the model's ``num_layers`` and the ``workers`` asked for, and its
-    predicted samples/s; (None, None) for stages given as first layers."""
+    added to ``phases``), checked against the model's ``num_layers`` and the ``workers`` asked for, its
+    predicted samples/s, and the profile it was made from where it was made here; (None, None, None) for
+    stages given as first layers."""
     if isinstance(stages, str) and stages == "auto":
         assert workers is not None
         return auto.plan_stages(training, run, schedule, workers, bandwidth, phases, memory_limit)
     if not isinstance(stages, (str, os.PathLike, Plan)):
-        return None, None
+        return None, None, None
     plan = stages if isinstance(stages, Plan) else Plan.load(stages)
     source = "the plan" if isinstance(stages, Plan) else str(stages)
     check_fits(plan, num_layers, source)
     if workers is not None and plan.workers != workers:
         raise ValueError(f"{source} places {plan.workers} workers but workers={workers} was asked for; "
                          f"use {plan.workers} or make a new plan with `pipetrain plan --workers {workers}`")
-    return plan, training.batch_size / plan.stage_time_s if plan.stage_time_s > 0 else None
+    return plan, training.batch_size / plan.stage_time_s if plan.stage_time_s > 0 else None, None
 
 
 SILENT_AFTER_S = 20.0
@@ -256,8 +279,8 @@ shorter) is declared silent (stopped, hung), before a peer's ``timeout`` would b
 def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restarted: int) -> TrainResult:
     """Run the job from where its checkpoints let it resume; when a worker dies or goes silent, start
     every worker again from the newest epoch all of them saved, up to ``max_restarts`` times. Each
-    worker is sent only its own stages, cut from ``layers`` (None: data parallelism, the whole model)."""
-    _preflight(cfg)
+    worker is sent only its own stages, cut from ``layers`` (None: data parallelism, the whole model);
+    ``cfg`` has passed :func:`_preflight`."""
     t = cfg.training
     model, source, shipped = t.model, Source.of(t.model, t.weights, t.seed), cfg.without_model()
     if not cfg.gathers and cfg.run.save is None and cfg.run.checkpoint_dir is None:

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.batches import collate_parts, per_epoch, to_device
+from pipetrain.batches import collate_parts, first_inputs, per_epoch, to_device
 from pipetrain.config import RunOptions, Training, shared_cores
-from pipetrain.errors import one_line
+from pipetrain.errors import one_line, warn
+from pipetrain.initialize import InitError
 from pipetrain.layers import LayerError
 from pipetrain.planning import Plan, plan
 from pipetrain.planning.choose import Choice, choose_strategy
@@ -31,6 +32,8 @@ from pipetrain.setup import layer_step, measure_setup, model_step
 from pipetrain.timing import torch_threads
 from pipetrain.runtime.dist import init_distributed
 from pipetrain.runtime.launch import under_torchrun
+from pipetrain.runtime.parts import Source, is_meta
+from pipetrain.runtime.resident import baseline
 from pipetrain.simulate import Link
 
 DEFAULT_BANDWIDTH = "10Gbit"
@@ -40,12 +43,14 @@ DEFAULT_BANDWIDTH = "10Gbit"
 @dataclass(frozen=True)
 class Chosen:
     """What ``strategy="auto"`` picked: the strategy with its options, the pipeline's schedule and
-    plan (None for data parallelism), and the whole choice (``Choice.to_dict()``) with its prediction."""
+    plan (None for data parallelism), the whole choice (``Choice.to_dict()``) with its prediction, and
+    the profile it was priced from."""
 
     strategy: Strategy
     schedule: PipelineSchedule | None
     plan: Plan | None
     choice: dict[str, Any]
+    profile: Profile
 
 
 def on_rank0(work: Callable[[], dict[str, Any]], run: RunOptions) -> dict[str, Any]:
@@ -76,18 +81,21 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
                      step_rows: int | None = None, ring_cpu: bool = True) -> Profile:
     """The model profiled on the first minibatch (of ``batch_size`` rows, default the job's) with the
     workers' thread count and optimizer, on the device the workers will train on (a GPU where the
-    machine has one, a copy of the model there), building a minibatch from the dataset timed
-    (:func:`pipetrain.profiling.time_batching`) and priced with the run's ``loader_workers``; with the run set-up of ``workers`` local workers
-    measured (:func:`pipetrain.setup.measure_setup`), their shared work a training step on the
-    minibatch's first ``step_rows`` samples (default: all; a data-parallel worker's shard prices that
-    worker directly; one layer stands in for a slow step, see :data:`STAND_IN_STEP_S`), our ring's CPU
-    timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under torchrun, whose workers this
-    process does not start, no set-up is measured. ``meta`` records the seconds each took
+    machine has one), one layer at a time (see [Note: one layer at a time] in
+    :func:`pipetrain.profiling.profile_model`: a model built on the meta device is never whole), building a
+    minibatch from the dataset timed (:func:`pipetrain.profiling.time_batching`) and priced with the
+    run's ``loader_workers``, with the workers' process baseline (:func:`baseline_bytes`); with the run
+    set-up of ``workers`` local workers measured (:func:`pipetrain.setup.measure_setup`), their shared
+    work a training step on the minibatch's first ``step_rows`` samples (default: all; a data-parallel
+    worker's shard prices that worker directly; one layer stands in for a slow step, see
+    :data:`STAND_IN_STEP_S`, and always for a model on the meta device, which is never run whole), our
+    ring's CPU timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under torchrun, whose
+    workers this process does not start, no set-up is measured. ``meta`` records the seconds each took
     (``profile_s``, ``setup_s``)."""
     rows = t.batch_size if batch_size is None else batch_size
     threads = run.threads or shared_cores(workers)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = copy.deepcopy(t.model).to(device) if device.type == "cuda" else t.model
+    device = workers_device()
+    meta = is_meta(t.model)
 
     def first(n: int) -> Any:
         return to_device(collate_parts(t.dataset, range(min(n, t.items)), (0, 1), t.target_key, t.collate_fn), device)
@@ -96,42 +104,90 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     begun = time.perf_counter()
     try:
         with torch_threads(threads):
-            measured = profile_model(model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2,
-                                     layer_seconds=PROFILE_LAYER_S)
+            measured = profile_model(t.model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2,
+                                     layer_seconds=PROFILE_LAYER_S, weights=t.weights, seed=t.seed)
             measured.inputs_s, measured.targets_s, measured.both_s = time_batching(t.dataset, rows,
                                                                                    target_key=t.target_key,
                                                                                    collate_fn=t.collate_fn)
             measured.loaders = run.loader_workers
-    except LayerError:
+    except (LayerError, InitError):
         raise
     except Exception as e:  # the user's model, loss or optimizer on the user's data: say where it failed
         raise ValueError(f"the model failed on the dataset's first minibatch while pipetrain profiled it to plan: "
                          f"{one_line(e)}; check that the model, the loss and the dataset's samples "
                          "fit (dtype, shape)") from e
+    measured.baseline_bytes = baseline_bytes(t, device, threads)
     measured.meta["profile_s"] = time.perf_counter() - begun
     if not under_torchrun():
         begun = time.perf_counter()
         step = batch if step_rows is None else first(step_rows)
         layer_s = [x.forward_s + x.backward_s for x in measured.layers]
-        slow = sum(layer_s) * (step_rows or rows) / rows > STAND_IN_STEP_S
+        slow = meta or sum(layer_s) * (step_rows or rows) / rows > STAND_IN_STEP_S
         with torch_threads(threads):
-            kernel = (layer_step(model, batch[0], layer_s, STAND_IN_S) if slow else None) or \
-                model_step(model, tuple(step), t.loss_fn)
+            kernel: Callable[[], Any] | None = layer_step(t.model, batch[0], layer_s, STAND_IN_S,
+                                                          Source.of(t.model, t.weights, t.seed)) if slow else None
+            if kernel is None and not meta:  # a meta model of under 3 layers: the probes' own kernel
+                whole = copy.deepcopy(t.model).to(device) if device.type == "cuda" else t.model
+                kernel = model_step(whole, tuple(step), t.loss_fn)
         measured.setup = measure_setup(workers, threads, kernel, ring_bytes=measured.parameter_bytes,
                                        ring_cpu=ring_cpu, backend=run.backend)
         measured.meta["setup_s"] = time.perf_counter() - begun
     return measured
 
 
+def sized_profile(t: Training, run: RunOptions, workers: int, rows: int) -> Profile | None:
+    """The profile a job whose stages are given predicts its workers' memory from
+    (:mod:`pipetrain.predict.memory`), without planning's cost: each layer run once (one forward, a
+    backward seeded with ones, one optimizer step: the profiler at ``repeats=1``, ``warmup=0``, the loss
+    left out) on the inputs of the first ``rows`` samples (a microbatch, a data-parallel worker's
+    shard), on the workers' device, one layer at a time, with the workers' process baseline. Its bytes
+    are exact (they do not vary between runs); its times are one run's each, not to plan with. On rank
+    0 under torchrun, the others taking its result. None, with a warning, where the profiler cannot
+    run the model: the prediction is a report, and the workers say what fails in their own words."""
+    def work() -> dict[str, Any]:
+        device = workers_device()
+        threads = run.threads or shared_cores(workers)
+        try:
+            inputs = to_device(first_inputs(t.dataset, rows, t.target_key, t.collate_fn), device)
+            with torch_threads(threads):
+                sized = profile_model(t.model, inputs, optimizer=t.optimizer, repeats=1, warmup=0, weights=t.weights,
+                                      seed=t.seed)
+        except Exception as e:  # the user's model on the user's data: the workers will say it better
+            return {"error": one_line(e)}
+        sized.baseline_bytes = baseline_bytes(t, device, threads)
+        return {"profile": sized.to_dict()}
+
+    found = on_rank0(work, run)
+    if "error" in found:
+        warn(f"pipetrain could not profile the model to predict its workers' memory ({found['error']}); training "
+             "without the prediction")
+        return None
+    return Profile.from_dict(found["profile"])
+
+
+def workers_device() -> torch.device:
+    """Where the workers of a job started here train, and so where it is measured: a GPU where the
+    machine has one."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def baseline_bytes(t: Training, device: torch.device, threads: int) -> int:
+    """What a worker of ``threads`` torch threads holds before its stage on ``device``: on the CPU its
+    process, as the runtime starts one and sends it ``t`` (the dataset with it), warmed up by a small
+    step of ``t``'s optimizer (:func:`pipetrain.runtime.resident.baseline`); on a GPU nothing (its
+    figure is the tensors allocated there)."""
+    return 0 if device.type == "cuda" else baseline(t.without_model(), threads, t.optimizer)
+
+
 def plan_stages(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
                 bandwidth: float | str | None, phases: dict[str, float],
-                memory: float | str | None = None) -> tuple[Plan, float | None]:
-    """``stages="auto"``: the plan for ``workers`` (each stage within ``memory`` bytes, if given) and its
-    predicted samples/s (on rank 0 under torchrun), the seconds of profiling, measuring the set-up and
-    planning added to ``phases``."""
+                memory: float | str | None = None) -> tuple[Plan, float | None, Profile]:
+    """``stages="auto"``: the plan for ``workers`` (each worker within ``memory`` bytes, if given), its
+    predicted samples/s and the profile it was made from (on rank 0 under torchrun), the seconds of
+    profiling, measuring the set-up and planning added to ``phases``."""
     found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH, memory), run)
     phases.update(found["phases"])
-    return Plan.from_dict(found["plan"]), found["predicted"]
+    return Plan.from_dict(found["plan"]), found["predicted"], Profile.from_dict(found["profile"])
 
 
 def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
@@ -167,17 +223,17 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     measuring = [measured] if at is measured else [measured, at]
     phases = {key: sum(p.meta.get(key, 0.0) for p in measuring) for key in ("profile_s", "setup_s")}
     phases["plan_s"] = time.perf_counter() - begun - sum(phases.values())
-    return {"plan": chosen.to_dict(), "predicted": rates[best] or None, "phases": phases}
+    return {"plan": chosen.to_dict(), "predicted": rates[best] or None, "phases": phases, "profile": measured.to_dict()}
 
 
 def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,
                   phases: dict[str, float], memory: float | str | None = None
-                  ) -> tuple[PipelineSchedule, Plan, float, bool]:
+                  ) -> tuple[PipelineSchedule, Plan, float, bool, Profile]:
     """``schedule="auto"`` with ``stages="auto"``: measure on rank 0, price every schedule at each
     microbatch count for the planned stages within ``memory`` bytes per worker
     (:func:`pipetrain.planning.schedules.choose_schedule`; every row recomputing where ``t.recompute``),
     print the table and the reason, and return the fastest schedule, its plan (the whole table in
-    ``plan.options["schedules"]``), its predicted samples/s and whether it recomputes."""
+    ``plan.options["schedules"]``), its predicted samples/s, whether it recomputes, and the profile."""
     def work() -> dict[str, Any]:
         begun = time.perf_counter()
         measured = measured_profile(t, run, workers, ring_cpu=False)
@@ -187,7 +243,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
                                 recompute=True if t.recompute else None)
         spent = {key: measured.meta.get(key, 0.0) for key in ("profile_s", "setup_s")}
         spent["plan_s"] = time.perf_counter() - begun - sum(spent.values())
-        return {"choice": found.to_dict(), "phases": spent}
+        return {"choice": found.to_dict(), "phases": spent, "profile": measured.to_dict()}
 
     found = on_rank0(work, run)
     phases.update(found["phases"])
@@ -196,7 +252,8 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
         print(f"pipetrain: schedule auto\n{choice.table()}\n{choice.reason}", flush=True)
     chosen = choice.plan
     chosen.options["schedules"] = found["choice"]
-    return choice.schedule(), chosen, choice.chosen.samples_per_s or 0.0, choice.chosen.recompute
+    return choice.schedule(), chosen, choice.chosen.samples_per_s or 0.0, choice.chosen.recompute, \
+        Profile.from_dict(found["profile"])
 
 
 def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,
@@ -210,15 +267,16 @@ def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | 
         measured = measured_profile(t, run, workers, step_rows=shard)
         if measured.setup is not None:  # what the predictions below are priced with
             print(f"pipetrain: measured set-up: {measured.setup.describe()}", flush=True)
-        return choose_strategy(measured, workers, bandwidth, batch_size=t.batch_size, one_machine=one_machine,
-                               allow_compression=allow_compression).to_dict()
+        return {"choice": choose_strategy(measured, workers, bandwidth, batch_size=t.batch_size,
+                                          one_machine=one_machine, allow_compression=allow_compression).to_dict(),
+                "profile": measured.to_dict()}
 
     found = on_rank0(work, run)
-    choice = Choice.from_dict(found)
+    choice = Choice.from_dict(found["choice"])
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"pipetrain: strategy auto\n{choice.table()}\n{choice.reason}", flush=True)
     picked = dict(choice.options[choice.choice])
     name, stages = picked.pop("strategy"), picked.pop("stages", None)
     schedule = make("schedule", picked.pop("schedule"), {}) if "schedule" in picked else None
-    return Chosen(make("strategy", name, picked), schedule, stages, found)
+    return Chosen(make("strategy", name, picked), schedule, stages, found["choice"], Profile.from_dict(found["profile"]))
 

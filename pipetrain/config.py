@@ -135,6 +135,13 @@ class Training:
     def items(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
+    def without_model(self) -> Training:
+        """This training as it travels to a worker: without the model, whose stages travel on their own
+        (:mod:`pipetrain.runtime.parts`)."""
+        training = copy.copy(self)
+        object.__setattr__(training, "model", None)
+        return training
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
@@ -343,9 +350,8 @@ class JobConfig:
     def without_model(self) -> JobConfig:
         """This configuration as it travels to a worker: without the model, whose stages travel on their own
         (:mod:`pipetrain.runtime.parts`)."""
-        training, cfg = copy.copy(self.training), copy.copy(self)
-        object.__setattr__(training, "model", None)
-        object.__setattr__(cfg, "training", training)
+        cfg = copy.copy(self)
+        object.__setattr__(cfg, "training", self.training.without_model())
         return cfg
 
     def stages_of(self, rank: int, num_layers: int) -> list[tuple[int, int, int]]:

@@ -117,6 +117,32 @@ def stage_memory_bytes(parameter_bytes: Num, stashed_activation_bytes: Num, in_f
     return parameter_bytes * (1 + versions) + activations
 
 
+def worker_memory_bytes(stage_bytes: Num, gradient_bytes: Num, optimizer_bytes: Num, sync_bytes: Num | float = 0.0,
+                        baseline_bytes: float = 0.0) -> Num:
+    """Bytes one worker holds at its peak: ``baseline + stage + gradients + optimizer state + sync copies``.
+
+    ``stage_bytes`` is :func:`stage_memory_bytes` (weights, stashed versions, stashed activations). To
+    it come the model states PipeDream leaves out: the gradients of the trainable parameters and the
+    optimizer's state (ZeRO, Rajbhandari et al., arXiv:1910.02054, §3.1, counts a model's memory as
+    parameters, gradients and optimizer states; here the optimizer's state is measured, not derived
+    from its kind). Ours: ``sync_bytes``, the copies of the gradient a synchronizer holds while it
+    agrees on it (:meth:`pipetrain.strategies.kinds.Strategy.sync_bytes`), and ``baseline_bytes``,
+    what the worker process holds before its stage (on the CPU, torch itself:
+    :func:`pipetrain.runtime.resident.baseline`; 0 on a GPU, whose allocator counts tensors only).
+
+    Left out: temporaries of a single operation (an optimizer step's, a matmul's workspace) and the
+    messages a worker is sending or receiving, each at most about one layer's or one cut's bytes.
+    """
+    return baseline_bytes + stage_bytes + gradient_bytes + optimizer_bytes + sync_bytes
+
+
+def allreduce_copy_bytes(gradient_bytes: Num, replicas: Num) -> Num:
+    """Bytes of the gradient copies a replica of a stage holds while its replicas allreduce it: a flat copy
+    of each bucket, all of them until the sync ends (:class:`pipetrain.strategies.allreduce.ReplicaAllreduce`),
+    the whole gradient; none on one replica. Ours (the runtime's, not a paper's)."""
+    return gradient_bytes * (replicas > 1)
+
+
 # -- Pipe-SGD: Li et al., "Pipe-SGD: A Decentralized Pipelined SGD Framework for Distributed Deep Net
 # Training", NeurIPS 2018 (arXiv:1811.03619), §3.1. Notation: T iterations, l_up / l_comp / l_comm the
 # seconds of one iteration's update, gradient computation (forward + backward) and communication.

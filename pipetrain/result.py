@@ -59,6 +59,12 @@ class TrainResult:
         choice: with ``strategy="auto"``: ``{"choice": NAME, "predictions": {NAME: samples/s}, "options",
             "skipped", "reason"}`` (:meth:`pipetrain.planning.choose.Choice.to_dict`).
         peak_memory: per rank, the worker process's peak resident memory (bytes).
+        peak_device_memory: per rank training on a GPU, the most bytes of tensors it held there at once
+            (``torch.cuda.max_memory_allocated``); 0 on the CPU.
+        predicted_memory: per rank, the peak bytes pipetrain predicted before training
+            (:func:`pipetrain.predict.memory.predict_memory`: weights, stashed versions, activations in
+            flight, gradients, optimizer state, a synchronizer's gradient copies and, on the CPU, the
+            worker process's baseline), to set beside :attr:`measured_memory`.
         stashed_bytes: per rank, the peaks of what it kept between forwards and backwards:
             ``activation_bytes`` (what autograd saved for the microbatches in flight, and their
             inputs; with ``recompute=True`` the inputs and one microbatch's activations during its
@@ -72,10 +78,12 @@ class TrainResult:
             most 2 for ``2bw``.
         phases: seconds the call spent before training, by phase: ``capture_s`` (cutting the model
             into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
-            and ``plan_s``; ``start_s`` (from starting the workers until each held its stage) and
-            ``first_update_s`` (from then to the first update), these two where this call started the
-            workers (not under torchrun); with ``save``, also what it spent after training,
-            ``save_s``: from the last worker beginning to write its stage until the model was written.
+            and ``plan_s``; where nothing was profiled to plan, ``memory_s`` (profiling each layer once
+            for ``predicted_memory``, and measuring the process baseline); ``start_s`` (from starting
+            the workers until each held its stage) and ``first_update_s`` (from then to the first
+            update), these two where this call started the workers (not under torchrun); with
+            ``save``, also what it spent after training, ``save_s``: from the last worker beginning to
+            write its stage until the model was written.
         saved: where ``save`` wrote the trained model, or None.
     """
 
@@ -97,6 +105,15 @@ class TrainResult:
     phases: dict[str, float] = field(default_factory=dict)
     weight_versions: list[int] = field(default_factory=list)
     saved: str | None = None
+    peak_device_memory: list[int] = field(default_factory=list)
+    predicted_memory: list[int] = field(default_factory=list)
+
+    @property
+    def measured_memory(self) -> list[int]:
+        """Per rank, the measured peak its predicted one stands beside: the GPU's figure where it trained on
+        one (``peak_device_memory``), else its process's (``peak_memory``)."""
+        return [gpu or cpu for gpu, cpu in zip(self.peak_device_memory, self.peak_memory)] \
+            if self.peak_device_memory else list(self.peak_memory)
 
 
 def training_rate(records: list[dict[str, Any]]) -> float:
@@ -131,6 +148,7 @@ def gather(model: nn.Module | None, parts: list[RankResult], name: Callable[[int
                        bytes_sent=[part.bytes_sent for part in parts],
                        sync_stats=[part.sync_stats for part in parts],
                        peak_memory=[part.peak_memory for part in parts],
+                       peak_device_memory=[part.peak_device_memory for part in parts],
                        stashed_bytes=[part.stashed_bytes for part in parts],
                        memory_traces=[part.memory_trace for part in parts],
                        weight_versions=[part.weight_versions for part in parts])

@@ -43,6 +43,11 @@ class CodeStage(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(self, *args, **kwargs)
 
+    @property
+    def code(self) -> str:
+        """The source of its forward, as ``fx.GraphModule.code`` gives a graph stage's."""
+        return self._source
+
     def __reduce__(self) -> tuple[Any, ...]:
         state = {k: _Spec.of(v) if isinstance(v, pytree.TreeSpec) else v for k, v in self.__dict__.items()
                  if k not in ("_source", "_forward")}

@@ -30,6 +30,9 @@ class StageCost:
             the first stage, the targets on the last (:meth:`pipetrain.profiling.Profile.building_s`).
         weight_s: the part of ``backward_s`` that computes the weights' gradients (the layers'
             :attr:`~pipetrain.profiling.profile.LayerProfile.weight_s`); the rest computes the input's.
+        input_bytes: the stage's input, received from the stage before (the model's input at the first).
+        gradient_bytes, optimizer_bytes: its gradients and its optimizer's state (the layers'
+            :attr:`~pipetrain.profiling.profile.LayerProfile.gradient_bytes` and ``optimizer_bytes``).
     """
 
     forward_s: float
@@ -40,6 +43,9 @@ class StageCost:
     update_s: float = 0.0
     batching_s: float = 0.0
     weight_s: float = 0.0
+    input_bytes: float = 0.0
+    gradient_bytes: int = 0
+    optimizer_bytes: int = 0
 
     def backward_part_s(self, kind: str) -> float:
         """Seconds of a whole backward (``"B"``), of its input-gradient part (``"I"``) or of its
@@ -49,9 +55,10 @@ class StageCost:
     def share(self, parts: int) -> StageCost:
         """The cost of 1/``parts`` of the minibatch (times, activations and the rows built scale,
         weights and their optimizer step do not)."""
-        return StageCost(self.forward_s / parts, self.backward_s / parts, self.output_bytes / parts,
-                         self.stash_bytes / parts, self.parameter_bytes, self.update_s, self.batching_s / parts,
-                         self.weight_s / parts)
+        return replace(self, forward_s=self.forward_s / parts, backward_s=self.backward_s / parts,
+                       output_bytes=self.output_bytes / parts, stash_bytes=self.stash_bytes / parts,
+                       batching_s=self.batching_s / parts, weight_s=self.weight_s / parts,
+                       input_bytes=self.input_bytes / parts)
 
 
 def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | None = None) -> list[StageCost]:
@@ -84,7 +91,9 @@ def stage_costs(profile: Profile, boundaries: Sequence[int], batch_size: int | N
             output_bytes=scale * layers[-1].activation_bytes,
             stash_bytes=scale * (inputs + sum(x.activation_bytes for x in layers)),
             parameter_bytes=sum(x.parameter_bytes for x in layers), update_s=sum(x.optimizer_s for x in layers),
-            batching_s=scale * profile.building_s(first, end), weight_s=scale * sum(x.weight_s for x in layers)))
+            batching_s=scale * profile.building_s(first, end), weight_s=scale * sum(x.weight_s for x in layers),
+            input_bytes=scale * inputs, gradient_bytes=sum(x.gradient_bytes for x in layers),
+            optimizer_bytes=sum(x.optimizer_bytes for x in layers)))
     return stages
 
 

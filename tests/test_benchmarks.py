@@ -1,5 +1,5 @@
 """The scripts in benchmarks/ run: sim_vs_real, dp_predictions and big_model end to end on small runs,
-time_to_accuracy's arguments.
+time_to_accuracy's and memory_prediction's arguments.
 
 Their speeds are not checked (a tiny model on a shared machine says nothing); that they come out is, and
 what they check of their results (big_model's saved model and its losses beside torch's).
@@ -60,6 +60,12 @@ def test_time_to_accuracy_parses_its_arguments() -> None:
     done = run("time_to_accuracy.py", "--help", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--wait-quiet" in done.stdout and "--attempts" in done.stdout
+
+
+def test_memory_prediction_parses_its_arguments() -> None:
+    done = run("memory_prediction.py", "--help", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--check" in done.stdout and "--steps" in done.stdout
 
 
 def test_gpt2_real_reports_the_time_to_the_first_update_and_its_phases() -> None:

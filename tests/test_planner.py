@@ -50,7 +50,10 @@ def brute_force(layers, input_bytes, workers, bandwidth, *, straight=False, fewe
 
     Workers are numbered from the output stage backwards, each stage taking consecutive numbers; a
     stage's sync, and a boundary between two stages, use the intra-server bandwidth only when all
-    the workers involved share one server.
+    the workers involved share one server. A worker's memory: its weights, a stashed copy per
+    minibatch in flight where more than one is (§3.4: with one, no update comes between its forward
+    and backward), the activations of each in flight, its gradient (ZeRO §3.1's model states; every
+    parameter trains) and, on a replicated stage, the flat copy of the gradient its allreduce holds.
     """
     n_layers = len(layers)
     per_server = per_server or workers
@@ -78,7 +81,9 @@ def brute_force(layers, input_bytes, workers, bandwidth, *, straight=False, fewe
                 if memory is not None:
                     flight = math.ceil(sum(reps[s:]) / r)
                     held = (input_bytes if a == 0 else layers[a - 1][1]) + sum(x for _, x, _ in layers[a:b])
-                    if params * (1 + flight) + held * flight > memory:
+                    copies = flight if flight > 1 else 0
+                    gradients = params * (2 if r > 1 else 1)
+                    if params * (1 + copies) + gradients + held * flight > memory:
                         worst = math.inf
                 if s < n - 1:
                     joined = in_one and server[s + 1][0] == server[s + 1][1] == server[s][0]
@@ -154,10 +159,12 @@ def test_building_the_minibatch_counts_on_the_stage_that_does_it():
 
 def test_memory_limit_excludes_configs():
     # Two heavy layers: unconstrained, pure data parallelism wins; each replica then holds all the
-    # weights (plus one stashed version), which a limit can forbid.
+    # weights, their gradient and its allreduce copy (one minibatch in flight: no stashed version),
+    # which a limit can forbid.
     profile = make_profile([(1.5, 1000, 4 * 10 ** 6), (0.5, 1000, 4 * 10 ** 6)])
     assert plan(profile, 2, "100Gbit").config == "2"
-    whole = stage_memory_bytes(8e6, 2000, in_flight(2, 2))
+    whole = stage_memory_bytes(8e6, 2000, in_flight(2, 2), weight_versions=0) + 2 * 8e6
+    assert whole == 3 * 8e6 + 2000
     limited = plan(profile, 2, "100Gbit", memory=whole - 1)
     assert limited.config == "1-1" and limited.boundaries == [0, 1]
     with pytest.raises(ValueError, match="no configuration .* fits within"):

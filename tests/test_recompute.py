@@ -212,6 +212,7 @@ def test_the_train_command_recomputes(tmp_path) -> None:
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert "peak stashed activations / weight versions per worker: " in done.stdout
+        assert "peak resident memory per worker, predicted / measured: " in done.stdout
         saved.append(torch.load(out, weights_only=True))
     for k, v in saved[0].items():
         assert torch.equal(v, saved[1][k])

@@ -41,48 +41,50 @@ def test_each_row_is_its_schedule_simulated_and_the_pick_is_the_fastest():
 
 
 def test_memory_counts_weights_versions_and_the_activations_in_flight():
-    """The most any worker holds. Stage 0 has 1 MB of weights and keeps 1 + 2 MB per minibatch of 8 (its
-    input and its output), stage 1 1 MB and 2 + 2 MB. gpipe holds every microbatch: stage 1's 1 + 4 MB;
-    1f1b-flush with 4 microbatches holds 2 at stage 0 (1 + 1.5 MB) and 1 at stage 1 (1 + 1 MB);
-    pipedream holds 2 minibatches at stage 0 and 2 stashed weight versions besides the live one."""
+    """The most any worker holds. Stage 0 has 1 MB of weights (and 1 MB of gradient) and keeps 1 + 2 MB per
+    minibatch of 8 (its input and its output), stage 1 1 MB (and 1 MB) and 2 + 2 MB. gpipe holds every
+    microbatch: stage 1's 1 + 1 + 4 MB; 1f1b-flush with 4 microbatches holds 2 at stage 0 (1 + 1 + 1.5 MB)
+    and 1 at stage 1 (1 + 1 + 1 MB); pipedream holds 2 minibatches at stage 0 and 2 stashed weight versions
+    besides the live one."""
     choice = choose_schedule(two_layers(), 2, "100Gbit", minibatches=8,
                              schedules=["gpipe", "1f1b-flush", "pipedream"])
     got = rows(choice)
-    assert got["gpipe m=4"].memory_bytes == pytest.approx(5 * MB)
-    assert got["1f1b-flush m=4"].memory_bytes == pytest.approx(2.5 * MB)
+    assert got["gpipe m=4"].memory_bytes == pytest.approx(6 * MB)
+    assert got["1f1b-flush m=4"].memory_bytes == pytest.approx(3.5 * MB)
     if got["pipedream"].config == "1-1":
-        assert got["pipedream"].memory_bytes == pytest.approx((1 + 2 + 2 * 3) * MB)
+        assert got["pipedream"].memory_bytes == pytest.approx((1 + 2 + 1 + 2 * 3) * MB)
 
 
 def test_2bw_holds_its_live_weights_and_two_versions():
     choice = choose_schedule(two_layers(), 2, "100Gbit", minibatches=8, schedules=["2bw"])
     row = rows(choice)["2bw m=2"]
-    # stage 0 keeps its 1 MB of weights 3 times (live, newest copy, the one before) and both microbatches
-    # of 1.5 MB in flight
-    assert row.config == "1-1" and row.memory_bytes == pytest.approx(3 * MB + 2 * 1.5 * MB)
+    # stage 0 keeps its 1 MB of weights 3 times (live, newest copy, the one before), its 1 MB gradient and
+    # both microbatches of 1.5 MB in flight
+    assert row.config == "1-1" and row.memory_bytes == pytest.approx(3 * MB + MB + 2 * 1.5 * MB)
 
 
 def test_a_memory_limit_leaves_out_what_does_not_fit_and_recomputation_can_bring_it_back():
     profile = two_layers()
-    # 1f1b-flush m=8 holds 2 of 8 microbatches at stage 0 (1 + 0.75 MB); gpipe m=8 all 8 (stage 1: 1 + 4 MB)
-    choice = choose_schedule(profile, 2, "100Gbit", minibatches=8, memory=2 * MB, schedules=["gpipe", "1f1b-flush"])
+    # 1f1b-flush m=8 holds 2 of 8 microbatches at stage 0 (1 + 1 + 0.75 MB, weights, gradient, activations);
+    # gpipe m=8 all 8 (stage 1: 1 + 1 + 4 MB)
+    choice = choose_schedule(profile, 2, "100Gbit", minibatches=8, memory=3 * MB, schedules=["gpipe", "1f1b-flush"])
     got = rows(choice)
-    assert got["1f1b-flush m=8"].memory_bytes == pytest.approx(1.75 * MB) and not got["1f1b-flush m=8"].why
+    assert got["1f1b-flush m=8"].memory_bytes == pytest.approx(2.75 * MB) and not got["1f1b-flush m=8"].why
     # gpipe m=8 recomputing: stage 1 keeps its 8 inputs (2 MB) and one microbatch's activations (4/8 MB)
-    assert got["gpipe m=8 +recompute"].memory_bytes == pytest.approx(MB + 2 * MB + 4 * MB / 8)
+    assert got["gpipe m=8 +recompute"].memory_bytes == pytest.approx(MB + MB + 2 * MB + 4 * MB / 8)
     assert "over the limit" in got["gpipe m=8 +recompute"].why
-    assert choice.chosen.memory_bytes <= 2 * MB and "memory limit" in choice.reason
+    assert choice.chosen.memory_bytes <= 3 * MB and "memory limit" in choice.reason
     # a limit that gpipe meets only by recomputing
-    tight = choose_schedule(profile, 2, "100Gbit", minibatches=8, memory=4 * MB, schedules=["gpipe"])
-    assert tight.chosen.label == "gpipe m=8 +recompute" and tight.chosen.memory_bytes == pytest.approx(3.5 * MB)
-    assert rows(tight)["gpipe m=2 +recompute"].why.startswith("needs 4.77 MiB on a worker, over the limit 3.81 MiB")
+    tight = choose_schedule(profile, 2, "100Gbit", minibatches=8, memory=4.6 * MB, schedules=["gpipe"])
+    assert tight.chosen.label == "gpipe m=8 +recompute" and tight.chosen.memory_bytes == pytest.approx(4.5 * MB)
+    assert rows(tight)["gpipe m=2 +recompute"].why.startswith("needs 5.72 MiB on a worker, over the limit 4.39 MiB")
     with pytest.raises(ValueError, match=r"^no schedule can run here: 1f1b-flush \+recompute: needs"):
         choose_schedule(profile, 2, "100Gbit", minibatches=8, memory=MB, schedules=["1f1b-flush"])
 
 
 def test_a_looped_schedule_is_priced_on_two_stages_per_worker():
     """interleaved-1f1b on 2 workers runs 4 stages of one layer each, stage s on worker s mod 2: worker 0
-    holds the weights of stages 0 and 2, and its simulation is the looped schedule's own."""
+    holds the weights and gradients of stages 0 and 2, and its simulation is the looped schedule's own."""
     layers = [LayerProfile(str(k), 0.010, 0.020, 2 * MB, MB, 0.001) for k in range(4)]
     profile = Profile(layers, 8, "cpu", input_bytes=MB)
     choice = choose_schedule(profile, 2, "100Gbit", minibatches=8, schedules=["interleaved-1f1b"])
@@ -91,7 +93,7 @@ def test_a_looped_schedule_is_priced_on_two_stages_per_worker():
     sim = simulate(Interleaved1F1B(microbatches=2, workers=2).build([1, 1, 1, 1], 8), profile, [0, 1, 2, 3],
                    Link(100e9 / 8), 8)
     assert row.samples_per_s == pytest.approx(8 * 8 / sim.makespan_s, rel=1e-12)
-    assert row.memory_bytes == pytest.approx(2 * MB + max(sim.peak_activation_bytes))
+    assert row.memory_bytes == pytest.approx(2 * MB + 2 * MB + max(sim.peak_activation_bytes))  # weights, gradients
 
 
 def test_unknown_schedules_and_the_ablation_are_refused_or_never_picked():

@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth", default="10Gbit", help="between workers (servers), e.g. 10Gbit, 1.25GB/s "
                                                          "(default 10Gbit)")
     p.add_argument("--straight", action="store_true", help="one worker per stage, no replication")
-    p.add_argument("--memory", help="per worker, e.g. 16GiB: weights, stashed versions and activations must fit")
+    p.add_argument("--memory", help="per worker, e.g. 16GiB: weights, stashed versions, activations, gradients, "
+                                    "optimizer state (and the profile's process baseline) must fit")
     p.add_argument("--recompute", action="store_true",
                    help="with --memory: the run recomputes activations (train --recompute): stages keep inputs only")
     p.add_argument("--workers-per-server", type=int, help="two-level topology: workers in one server")

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                              "interleaved-1f1b: the workers --stages loop over")
     p.add_argument("--bandwidth", default=None, help="link speed --plan auto assumes, e.g. 1Gbit (default 10Gbit)")
     p.add_argument("--memory-limit", default=None,
-                   help="--plan auto: bytes a worker may hold (weights, stashed versions, activations), e.g. 16GiB")
+                   help="--plan auto: bytes a worker may hold (weights, stashed versions, activations, gradients, "
+                        "optimizer state and, on the CPU, its process), e.g. 16GiB")
     p.add_argument("--loss", required=True,
                    help="torch.nn.functional name (cross_entropy, mse_loss) or MODULE:FUNCTION")
     p.add_argument("--save", default=None, help="write the trained model here, stage by stage: a directory (what "
@@ -171,6 +172,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     if result.stashed_bytes:
         print("peak stashed activations / weight versions per worker: " + ", ".join(
             f"{format_bytes(s['activation_bytes'])} / {format_bytes(s['weight_bytes'])}" for s in result.stashed_bytes))
+    if result.predicted_memory and result.measured_memory:
+        what = "GPU memory allocated" if any(result.peak_device_memory) else "resident memory"
+        print(f"peak {what} per worker, predicted / measured: " + ", ".join(
+            f"{format_bytes(p)} / {format_bytes(m)} ({p / m - 1:+.0%})"
+            for p, m in zip(result.predicted_memory, result.measured_memory)))
     if result.saved:
         print(f"saved the trained model to {result.saved}")
     if args.trace:

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from pipetrain.costs import (
-    SYNC_ALGORITHMS, boundary_time, dp_sync_bytes, stage_memory_bytes, stage_time, stage_work_s, straggler_s,
+    SYNC_ALGORITHMS, allreduce_copy_bytes, boundary_time, dp_sync_bytes, stage_memory_bytes, stage_time, stage_work_s,
+    straggler_s, worker_memory_bytes,
 )
 from pipetrain.planning.result import Plan, StagePlan
 from pipetrain.planning.units import format_bytes, parse_bandwidth, parse_bytes
@@ -125,9 +126,11 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
         bandwidth: between workers (between servers with ``workers_per_server``); bytes/s or a
             string such as ``10Gbit`` or ``1.25GB/s``.
         straight: one worker per stage (no replication).
-        memory: bytes per worker (or ``16GiB``); configurations whose stage would not hold its
-            weights, stashed weight versions and stashed activations are excluded
-            (:func:`pipetrain.costs.stage_memory_bytes`).
+        memory: bytes per worker (or ``16GiB``); configurations whose worker would not hold its
+            stage's weights, stashed weight versions, stashed activations, gradients, optimizer state
+            and a replicated stage's allreduce copies beside the profile's ``baseline_bytes`` are
+            excluded (:func:`pipetrain.costs.worker_memory_bytes`, as :mod:`pipetrain.predict.memory`
+            predicts a worker's peak).
         recompute: the memory limit counts activation recomputation (``train(recompute=True)``):
             in-flight (micro)batches keep their inputs only, plus one's activations while it reruns.
         schedule: whose in-flight counts and weight versions the memory limit counts
@@ -227,12 +230,15 @@ class _MemoryModel:
         return (np.vectorize(self.schedule.in_flight)(r, workers_to_output),
                 np.vectorize(self.schedule.weight_versions)(r, workers_to_output))
 
-    def fits(self, params: np.ndarray, inputs: float, stash: np.ndarray,
-             counts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        """Whether a stage of ``params`` bytes, a minibatch's ``inputs`` and ``stash`` (its input and every
-        layer's output) holding ``counts`` fits, over those arrays' shapes."""
+    def fits(self, params: np.ndarray, grads: np.ndarray, states: np.ndarray, inputs: float, stash: np.ndarray,
+             replicas: np.ndarray, counts: tuple[np.ndarray, np.ndarray], baseline: float) -> np.ndarray:
+        """Whether a stage of ``params`` bytes (``grads`` of gradients, ``states`` of optimizer state), a
+        minibatch's ``inputs`` and ``stash`` (its input and every layer's output), on ``replicas`` holding
+        ``counts``, fits beside a process's ``baseline``, over those arrays' shapes: as
+        :func:`pipetrain.predict.memory.held_bytes` counts it."""
         m = self.schedule.microbatches
-        need = stage_memory_bytes(params, stash / m, counts[0], inputs / m, self.recompute, counts[1])
+        kept = stage_memory_bytes(params, stash / m, counts[0], inputs / m, self.recompute, counts[1])
+        need = worker_memory_bytes(kept, grads, states, allreduce_copy_bytes(grads, replicas), baseline)
         return need <= self.limit
 
 
@@ -245,6 +251,8 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
     zero = np.zeros(1)
     compute = np.concatenate([zero, np.cumsum(profile.work_s())])
     params = np.concatenate([zero, np.cumsum([float(x.parameter_bytes) for x in layers])])
+    grads = np.concatenate([zero, np.cumsum([float(x.gradient_bytes) for x in layers])])
+    states = np.concatenate([zero, np.cumsum([float(x.optimizer_bytes) for x in layers])])
     acts = np.concatenate([zero, np.cumsum([float(x.activation_bytes) for x in layers])])
     # cut[j]: bytes crossing the boundary before layer j; nothing crosses after the last layer.
     cut = np.array([float(profile.input_bytes)] + [float(x.activation_bytes) for x in layers[:-1]] + [0.0])
@@ -301,7 +309,8 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
             T = _with_ties(T, ties, i, js, r, tie_bandwidth)
         if memory is not None:
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
-            T = np.where(memory.fits(part, float(cut[i]), stash, held), T, INF)
+            T = np.where(memory.fits(part, grads[js] - grads[i], states[js] - states[i], float(cut[i]), stash, r,
+                                     held, float(profile.baseline_bytes)), T, INF)
         # nothing crosses after the last layer: no boundary, and no message latency, behind the output stage
         B = np.where((js < N)[..., None], boundary_time(cut[js][..., None], np.minimum(bw_boundary, transport),
                                                         terms.latency), 0.0)

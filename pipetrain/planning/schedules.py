@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from pipetrain.costs import allreduce_copy_bytes, worker_memory_bytes
 from pipetrain.layout import Layout
 from pipetrain.planning import Plan, plan
 from pipetrain.planning.units import format_bytes, parse_bandwidth, parse_bytes
@@ -120,12 +121,14 @@ def worker_memory(profile: Profile, chosen: Plan, schedule: PipelineSchedule, si
     """Bytes each worker holds at most in ``sim``: its stages' weights, one copy per stashed version
     (schedules that stash), and the activations of its microbatches in flight; with ``recompute`` only
     their inputs, plus one microbatch's activations while it is recomputed. A worker holding several
-    stages is priced at the largest of them per microbatch in flight."""
+    stages is priced at the largest of them per microbatch in flight. To those come its gradients, its
+    optimizer's state, a replicated stage's allreduce copies and the profile's process baseline, as
+    :func:`pipetrain.costs.worker_memory_bytes` counts them; where the memory prediction of a job
+    (:mod:`pipetrain.predict.memory`) counts the schedule's in-flight (micro)batches and versions, this
+    reads them off the simulated run."""
     m = schedule.microbatches
     per_stage = stage_costs(profile, chosen.boundaries, batch_size)
-    scale = batch_size / profile.batch_size if profile.batch_size else 1.0
-    inputs = [scale * (profile.input_bytes if first == 0 else profile.layers[first - 1].activation_bytes)
-              for first in chosen.boundaries]
+    inputs = [s.input_bytes for s in per_stage]
     layout = Layout(tuple(chosen.replicas))
     looped = len(sim.peak_activation_bytes)
     held_by = [list(range(w, len(per_stage), looped)) for w in range(looped)] if schedule.looped else \
@@ -139,7 +142,10 @@ def worker_memory(profile: Profile, chosen: Plan, schedule: PipelineSchedule, si
         stash = max(per_stage[s].stash_bytes for s in stages) / m
         if recompute and stash > 0:
             held = held / stash * max(inputs[s] for s in stages) / m + stash
-        out.append(weights + held)
+        grads = sum(per_stage[s].gradient_bytes for s in stages)
+        sync = sum(allreduce_copy_bytes(per_stage[s].gradient_bytes, chosen.replicas[s]) for s in stages)
+        out.append(float(worker_memory_bytes(weights + held, grads, sum(per_stage[s].optimizer_bytes for s in stages),
+                                             sync, profile.baseline_bytes)))
     return out
 
 

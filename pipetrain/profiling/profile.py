@@ -2,11 +2,13 @@
 
 A profile is taken on a stated device at a stated minibatch size. For layer k it holds the forward and
 backward seconds, the bytes of every tensor crossing the cut after layer k (what layer k's stage would
-send to the next stage, and receive back as gradients), the layer's parameter bytes and the seconds of
-an optimizer step on them (0 when not measured). A profile taken with a dataset also holds the seconds
+send to the next stage, and receive back as gradients), the layer's parameter bytes (and of those that
+train, whose gradients take as much), the seconds of an optimizer step on them and the bytes of the
+state the optimizer keeps for them (0 when not measured). A profile taken with a dataset also holds the seconds
 a worker takes to build a minibatch's inputs and its targets from it (0 when not measured). A profile
 may also carry the run set-up it was taken for (:class:`pipetrain.setup.Setup`: per-message cost,
-how workers sharing cores slow each other).
+how workers sharing cores slow each other), and the bytes a worker process holds before its stage
+(:mod:`pipetrain.runtime.resident`).
 
 JSON form (``version`` 1)::
 
@@ -14,9 +16,11 @@ JSON form (``version`` 1)::
      "batch_size": 32, "input_bytes": 8192,
      "layers": [{"name": "0", "forward_s": 0.001, "backward_s": 0.002,
                  "activation_bytes": 4096, "parameter_bytes": 1024, "optimizer_s": 0.0001,
-                 "weight_backward_s": 0.001}, ...],   (weight_backward_s optional)
+                 "weight_backward_s": 0.001, "trainable_bytes": 1024, "optimizer_bytes": 2048}, ...],
+                                        (weight_backward_s, trainable_bytes, optimizer_bytes optional)
      "inputs_s": 0.0002, "targets_s": 0.0001, "both_s": 0.00025,   (optional)
      "ties": [{"layers": [0, 9], "bytes": 4096}],   (optional: a parameter several layers read)
+     "baseline_bytes": 250000000,   (optional)
      "setup": {...}}   (optional; see pipetrain.setup.Setup)
 """
 from __future__ import annotations
@@ -43,7 +47,10 @@ class ProfileError(ValueError):
 class LayerProfile:
     """One layer: seconds per minibatch and bytes. ``weight_backward_s``: the part of ``backward_s``
     that computes the gradients of the layer's weights (the rest computes its input's); None when
-    not measured."""
+    not measured. ``trainable_bytes``: the bytes of its parameters that train (``requires_grad``),
+    whose gradients take as much; None when not measured (a profile from before it was, PipeDream's),
+    read as every parameter. ``optimizer_bytes``: the bytes of the optimizer's state for them
+    (momentum, Adam's two moments) after its warm-up steps; 0 when not measured."""
 
     name: str
     forward_s: float
@@ -52,6 +59,13 @@ class LayerProfile:
     parameter_bytes: int
     optimizer_s: float = 0.0
     weight_backward_s: float | None = None
+    trainable_bytes: int | None = None
+    optimizer_bytes: int = 0
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of the layer's gradients: its trainable parameters' (all of them when not measured)."""
+        return self.parameter_bytes if self.trainable_bytes is None else self.trainable_bytes
 
     @property
     def weight_s(self) -> float:
@@ -79,6 +93,12 @@ class Profile:
 
     ``ties``: for each parameter that several layers read (tied weights), those layers and its bytes;
     stages that hold them exchange its gradient and value every update (:mod:`pipetrain.runtime.tied`).
+
+    ``baseline_bytes``: what a worker process holds before it builds its stage, on the device the
+    profile was taken on: on the CPU the resident memory of a worker as the runtime starts one
+    (:func:`pipetrain.runtime.resident.baseline`), on a GPU 0 (the device holds nothing before the
+    stage); 0 when not measured. The memory prediction (:mod:`pipetrain.predict.memory`) and the
+    planner's memory limit count it.
     """
 
     layers: list[LayerProfile]
@@ -93,6 +113,7 @@ class Profile:
     both_s: float = 0.0
     loaders: int = 0
     ties: list[tuple[list[int], int]] = field(default_factory=list)
+    baseline_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -131,6 +152,7 @@ class Profile:
                    if self.inputs_s or self.targets_s or self.both_s else {}),
                 **({"loaders": self.loaders} if self.loaders else {}),
                 **({"ties": [{"layers": layers, "bytes": n} for layers, n in self.ties]} if self.ties else {}),
+                **({"baseline_bytes": self.baseline_bytes} if self.baseline_bytes else {}),
                 **({"setup": asdict(self.setup)} if self.setup is not None else {})}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -204,7 +226,8 @@ class Profile:
                            **{name: read_field(data, name, "profile", float, 0.0)
                               for name in ("inputs_s", "targets_s", "both_s")},
                            loaders=read_field(data, "loaders", "profile", int, 0),
-                           ties=[_tie(k, d, len(entries)) for k, d in enumerate(data.get("ties", []))])
+                           ties=[_tie(k, d, len(entries)) for k, d in enumerate(data.get("ties", []))],
+                           baseline_bytes=read_field(data, "baseline_bytes", "profile", int, 0))
         except ValueError as e:
             raise ProfileError(f"{source}: malformed {e}; regenerate it with `pipetrain profile`") from None
 
@@ -233,4 +256,6 @@ def _layer(k: int, entry: Any) -> LayerProfile:
                         read_field(entry, "activation_bytes", where, int),
                         read_field(entry, "parameter_bytes", where, int),
                         read_field(entry, "optimizer_s", where, float, 0.0),
-                        read_field(entry, "weight_backward_s", where, float) if "weight_backward_s" in entry else None)
+                        read_field(entry, "weight_backward_s", where, float) if "weight_backward_s" in entry else None,
+                        read_field(entry, "trainable_bytes", where, int) if "trainable_bytes" in entry else None,
+                        read_field(entry, "optimizer_bytes", where, int, 0))

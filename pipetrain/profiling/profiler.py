@@ -6,20 +6,23 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, call, collate_parts, map_tensors, tensor_bytes, tensors_of
 from pipetrain.layers import LayeredModel
 from pipetrain.profiling.profile import LayerProfile, Profile
-from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, call, collate_parts, map_tensors, tensor_bytes, tensors_of
+from pipetrain.runtime.parts import Source, layer_stage
+from pipetrain.stagecode import CodeStage
 
 
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                   *, optimizer: Callable[..., torch.optim.Optimizer] | None = None, repeats: int = 10,
-                  warmup: int = 2, layer_seconds: float | None = None) -> Profile:
+                  warmup: int = 2, layer_seconds: float | None = None, weights: str | None = None,
+                  seed: int = 0) -> Profile:
     """Measure every layer of ``model`` on one minibatch.
 
     Layer k runs alone, as ``LayeredModel(model).stage(k, k)``, on what layer k - 1 returned, so its
@@ -31,6 +34,14 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     what a split backward (``zero-bubble``'s ``W``) leaves for later. The model's buffers (e.g. batch-norm
     statistics) are restored afterwards and no ``.grad`` is touched.
 
+    [Note: one layer at a time] The layers run on the device of ``sample_batch``. Where the model's
+    tensors are there, each layer runs on them. Otherwise (a model built on the meta device, or one
+    on the CPU profiled on a GPU) each layer's stage is built there alone, as a worker builds its
+    stage (:func:`pipetrain.runtime.parts.layer_stage`: its tensors read from ``weights`` or
+    initialized by :mod:`pipetrain.initialize` from ``seed``, or copied), timed, and let go before
+    the next: the model is never whole in memory, which holds about its largest layer's tensors and
+    the activations. The values do not matter to the times or bytes measured.
+
     Args:
         model: an ``nn.Sequential``, or a module ``torch.fx`` traces or ``torch.export`` captures (on
             this minibatch), on the device to profile.
@@ -39,7 +50,8 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
         loss_fn: ``loss_fn(output, target)``, timed as part of the last layer.
         optimizer: the training's optimizer factory (e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``):
             each layer's ``optimizer_s`` is one step of it on the layer's parameters (after
-            ``warmup`` steps, which create its state); the parameters are restored afterwards.
+            ``warmup`` steps, which create its state), its ``optimizer_bytes`` that state's bytes; the
+            parameters are restored afterwards.
         repeats: timed runs per layer.
         warmup: untimed runs per layer before those.
         layer_seconds: a layer (or optimizer step) whose first run shows that ``warmup + repeats`` runs
@@ -49,6 +61,9 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
             blocks) runs no untimed run: the earlier one warmed it up, and its optimizer step, on
             parameters of the same shapes, is that one's. None: every layer runs ``warmup + repeats``
             times.
+        weights: where a layer built on its own reads its tensors (``pipetrain.train``'s ``weights``);
+            None: they are initialized.
+        seed: the seed of that initialization.
 
     Returns:
         The profile, at the batch size and on the device of the input.
@@ -68,29 +83,20 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     if inputs[0].dim() and inputs[0].shape[0] == 0:
         raise ValueError("sample_batch holds 0 samples; pass a minibatch of at least one")
     layers = LayeredModel(model, value)
+    source = Source.of(model, weights, seed)
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     measured = []
     slow: set[tuple[Any, ...]] = set()  # the kinds of layers run already that took over layer_seconds
-    steps: dict[tuple[Any, ...], float] = {}  # optimizer step seconds by the shapes of its parameters
+    steps: dict[tuple[Any, ...], tuple[float, int]] = {}  # optimizer (seconds, state bytes) by parameter shapes
+    runs = _Runs(repeats, warmup, layer_seconds, optimizer)
     try:
         for k in range(len(layers)):
-            stage = layers.stage(k, k)
             last = loss_fn is not None and k == len(layers) - 1
             head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
-            kind = _kind(stage, value)
-            fwd, bwd, weight, value = _time_layer(stage, value, k > 0, head, repeats, 0 if kind in slow else warmup,
-                                                  layer_seconds)
-            if layer_seconds is not None and (fwd + bwd) * (warmup + repeats) > layer_seconds:
-                slow.add(kind)
-            param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-            shapes = tuple(p.shape for p in stage.parameters() if p.requires_grad)
-            if optimizer is None:
-                step = 0.0
-            elif layer_seconds is not None and shapes in steps:  # the same step on the same shapes
-                step = steps[shapes]
-            else:
-                step = steps[shapes] = _time_optimizer(stage, optimizer, repeats, warmup, layer_seconds)
-            measured.append(LayerProfile(layers.labels[k], fwd, bwd, _nbytes(value), param_bytes, step, weight))
+            # the stage lives in this call alone: it is let go before the next layer's is built
+            layer, value = _profile_layer(layer_stage(layers, k, k, source, inputs[0].device), layers.labels[k],
+                                          value, k > 0, head, runs, slow, steps)
+            measured.append(layer)
     finally:
         with torch.no_grad():
             for buffer, copy in saved:
@@ -135,10 +141,44 @@ def time_batching(dataset: Any, rows: int, repeats: int = 3, target_key: TargetK
     return inputs_s, targets_s, both_s
 
 
+@dataclass(frozen=True)
+class _Runs:
+    """How :func:`profile_model` runs each layer: its ``repeats``, ``warmup``, ``layer_seconds`` and
+    ``optimizer``."""
+
+    repeats: int
+    warmup: int
+    seconds: float | None
+    optimizer: Callable[..., torch.optim.Optimizer] | None
+
+
+def _profile_layer(stage: nn.Module, label: str, value: Any, input_grads: bool, head: Callable[[Any], torch.Tensor] | None,
+                   runs: _Runs, slow: set[tuple[Any, ...]], steps: dict[tuple[Any, ...], tuple[float, int]]
+                   ) -> tuple[LayerProfile, Any]:
+    """The profile of one layer's ``stage`` run on ``value``, and its output (detached); ``slow`` and
+    ``steps`` carry what earlier layers showed (see :func:`profile_model`'s ``layer_seconds``)."""
+    kind = _kind(stage, value)
+    fwd, bwd, weight, out = _time_layer(stage, value, input_grads, head, runs.repeats,
+                                        0 if kind in slow else runs.warmup, runs.seconds)
+    if runs.seconds is not None and (fwd + bwd) * (runs.warmup + runs.repeats) > runs.seconds:
+        slow.add(kind)
+    params = list(stage.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    shapes = tuple(p.shape for p in trainable)
+    if runs.optimizer is None:
+        step: tuple[float, int] = (0.0, 0)
+    elif runs.seconds is not None and shapes in steps:  # the same step on the same shapes
+        step = steps[shapes]
+    else:
+        step = steps[shapes] = _time_optimizer(stage, runs.optimizer, runs.repeats, runs.warmup, runs.seconds)
+    return LayerProfile(label, fwd, bwd, _nbytes(out), tensor_bytes(params), step[0], weight, tensor_bytes(trainable),
+                        step[1]), out
+
+
 def _kind(stage: nn.Module, x: Any) -> tuple[Any, ...]:
     """What makes a layer's run the same as another's: its modules' types, its parameters' shapes and
     its input's shapes (a graph layer's operator is in its code)."""
-    code = stage.code if isinstance(stage, torch.fx.GraphModule) else ""
+    code = stage.code if isinstance(stage, (torch.fx.GraphModule, CodeStage)) else ""
     return (code, tuple(type(m).__name__ for m in stage.modules()), tuple(p.shape for p in stage.parameters()),
             tuple(t.shape for t in tensors_of(x)))
 
@@ -203,12 +243,13 @@ def _time_layer(stage: nn.Module, x: Any, input_grads: bool, loss: Callable[[Any
 
 
 def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optimizer], repeats: int,
-                    warmup: int, seconds: float | None = None) -> float:
+                    warmup: int, seconds: float | None = None) -> tuple[float, int]:
     """Median seconds of one ``optimizer`` step (with ``zero_grad``) on ``stage``'s trainable parameters,
-    with gradients of ones; the parameters and their ``.grad`` are left as they were."""
+    with gradients of ones, and the bytes of the state it then keeps (each tensor once); the parameters
+    and their ``.grad`` are left as they were."""
     params = [p for p in stage.parameters() if p.requires_grad]
     if not params:
-        return 0.0
+        return 0.0, 0
     before = [(p.detach().clone(), p.grad) for p in params]
     cuda = any(p.is_cuda for p in params)
     opt = optimizer(params)
@@ -236,7 +277,8 @@ def _time_optimizer(stage: nn.Module, optimizer: Callable[..., torch.optim.Optim
             for p, (data, grad) in zip(params, before):
                 p.copy_(data)
                 p.grad = grad
-    return statistics.median(times)
+    state = {t.data_ptr(): t for per in opt.state.values() for t in per.values() if isinstance(t, torch.Tensor)}
+    return statistics.median(times), tensor_bytes(state.values())
 
 
 def _nbytes(value: Any) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import resource
 import threading
 import time
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ from pipetrain.runtime.loader import Inline, Loaders, Recipe
 from pipetrain.runtime.parts import Part, Source, build
 from pipetrain.runtime.restore import load_named, named_state, optimized_names, restore
 from pipetrain.runtime.outcome import RankResult
+from pipetrain.runtime.resident import peak_resident
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
 from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, append_json
@@ -192,7 +192,7 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
     if sync:
         sync.close()
     transport.close()
-    report = _report(cfg, rank, ready, runner, workers, modules,
+    report = _report(cfg, rank, device, ready, runner, workers, modules,
                      transport.bytes_sent + (sync.bytes_sent if sync else 0), sync.stats() if sync else {})
     report.writing = time.perf_counter()
     report.saved = _write(cfg, rank, workers, modules, source) if cfg.run.save is not None else {}
@@ -214,8 +214,9 @@ def _write(cfg: JobConfig, rank: int, workers: dict[int, Worker], modules: dict[
     return out
 
 
-def _report(cfg: JobConfig, rank: int, ready: float, runner: Worker | multi.LocalStages, workers: dict[int, Worker],
-            modules: dict[int, nn.Module], bytes_sent: int, sync_stats: dict[str, Any]) -> RankResult:
+def _report(cfg: JobConfig, rank: int, device: torch.device, ready: float, runner: Worker | multi.LocalStages,
+            workers: dict[int, Worker], modules: dict[int, nn.Module], bytes_sent: int,
+            sync_stats: dict[str, Any]) -> RankResult:
     """What ``rank`` reports of its run. Data-parallel workers hold the same model: rank 0's comes
     back, the others' digests."""
     state = {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()}
@@ -229,8 +230,8 @@ def _report(cfg: JobConfig, rank: int, ready: float, runner: Worker | multi.Loca
         stashed_bytes={key: sum(f[key] for f in footprints) for key in ("activation_bytes", "weight_bytes")},
         memory_trace=(workers[rank].footprint.samples or []) if not cfg.looped else [],
         bytes_sent=bytes_sent, sync_stats=sync_stats, ready=ready,
-        weight_versions=max(w.policy.peak_versions for w in workers.values()),
-        peak_memory=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+        weight_versions=max(w.policy.peak_versions for w in workers.values()), peak_memory=peak_resident(),
+        peak_device_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
 
 
 def _save(cfg: JobConfig, rank: int, epoch: int, worker: Worker, stage: nn.Module, device: torch.device) -> None:

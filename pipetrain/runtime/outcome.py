@@ -28,6 +28,8 @@ class RankResult:
         ready: ``perf_counter`` when its stages were built and it began training.
         weight_versions: the most versions of its weights it held at once.
         peak_memory: the process's peak resident memory, bytes.
+        peak_device_memory: on a GPU, the most bytes of tensors it held there at once
+            (``torch.cuda.max_memory_allocated`` of its device); 0 on the CPU.
         saved: the shard files it wrote with ``save`` and the keys in each.
         writing: ``perf_counter`` when it had trained and began writing ``save`` (if given).
     """
@@ -44,5 +46,6 @@ class RankResult:
     ready: float
     weight_versions: int
     peak_memory: int
+    peak_device_memory: int = 0
     saved: dict[str, list[str]] = field(default_factory=dict)
     writing: float = 0.0

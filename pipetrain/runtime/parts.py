@@ -164,6 +164,20 @@ def build(part: Part, source: Source, device: torch.device) -> nn.Module:
     return module
 
 
+def layer_stage(layers: LayeredModel, first: int, last: int, source: Source, device: torch.device) -> nn.Module:
+    """Layers ``first..last`` of ``layers`` with real tensors on ``device``, for measuring them in this
+    process one stage at a time (:func:`pipetrain.profiling.profile_model`), so that a model which fits
+    nowhere whole never is whole: the caller's own stage where its tensors are real and on ``device``,
+    else a stage built as a worker builds its own (:func:`build`), from a copy, so that the caller's
+    tensors never move."""
+    if source.ships_tensors and layers.device == torch.device(device):
+        return layers.stage(first, last)
+    part = local_parts(layers, layers.model, [(0, first, last)], source)[0]
+    if source.ships_tensors:
+        part = Part(0, copy.deepcopy(part.module))
+    return build(part, source, device)
+
+
 def _read(module: nn.Module, missing: list[str], source: Source) -> dict[str, torch.Tensor]:
     """The values of ``missing`` that the weights file holds: the module's persistent tensors (a tied
     parameter under any of its names), read alone."""

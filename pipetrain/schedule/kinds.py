@@ -106,8 +106,10 @@ class PipelineSchedule:
 
     def weight_versions(self, replicas: int, workers_to_output: int) -> int:
         """Weight versions a worker of the stage stashes beside its live weights: one per minibatch in
-        flight with weight stashing (PipeDream's count), none when the live weights serve every backward."""
-        return self.in_flight(replicas, workers_to_output) if self.weights in ("stash", "vertical") else 0
+        flight with weight stashing (PipeDream's count), none when the live weights serve every backward
+        (a stashing stage that holds one minibatch at a time runs on them: :meth:`policy`)."""
+        held = self.in_flight(replicas, workers_to_output)
+        return held if self.weights == "stash" and held > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,12 @@ class PipeDream(PipelineSchedule):
     def policy(self, layout: Layout, stage: int) -> str:
         return "vertical" if self.vertical_sync else super().policy(layout, stage)
 
+    def weight_versions(self, replicas: int, workers_to_output: int) -> int:
+        """With vertical sync, a stage keeps a version for each minibatch in flight, one in flight included."""
+        if self.vertical_sync:
+            return self.in_flight(replicas, workers_to_output)
+        return super().weight_versions(replicas, workers_to_output)
+
 
 @dataclass(frozen=True)
 class Naive(PipelineSchedule):
@@ -199,6 +207,10 @@ class TwoBW(PipelineSchedule):
 
     def sync_pass(self, lists: gen.Lists, replicas: Sequence[int]) -> gen.Lists:
         return gen.deferred_sync(lists, replicas, self.microbatches)
+
+    def weight_versions(self, replicas: int, workers_to_output: int) -> int:
+        """Two copies beside the live weights: the newest version and the one before it."""
+        return 2
 
     def check_layout(self, layout: Layout) -> None:
         super().check_layout(layout)

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from pipetrain.batches import call
+from pipetrain.batches import call, tensors_of
 from pipetrain.layers import LayeredModel, flatten, received, unflatten
+from pipetrain.runtime.parts import Source, layer_stage
 from pipetrain.timing import median_seconds
 
 
@@ -73,21 +74,30 @@ class LayerStep:
         self.stage.zero_grad(set_to_none=True)
 
 
-def layer_step(model: torch.nn.Module, example: Any, layer_s: list[float], seconds: float) -> LayerStep | None:
+def layer_step(model: torch.nn.Module, example: Any, layer_s: list[float], seconds: float,
+               source: Source | None = None) -> LayerStep | None:
     """The :class:`LayerStep` of ``model`` (cut as :class:`pipetrain.layers.LayeredModel` cuts it on the
     minibatch input ``example``) at its first layer, after the first and before the last, whose forward
     and backward (``layer_s``, per layer, at the minibatch) take at least the median layer's: a typical
     layer, reached with little compute. It runs on as many of the minibatch's rows as take about
     ``seconds`` (at least one), or on all of them where the layer does not take fewer. None for a model
-    of under 3 layers."""
+    of under 3 layers.
+
+    The layers run on ``example``'s device one at a time, each built as the profiler builds it
+    (:func:`pipetrain.runtime.parts.layer_stage`, its tensors from ``source``: default, the model's
+    own, initialized where they are on the meta device), so a model built there is never whole."""
     if len(layer_s) < 3:
         return None
     middle = layer_s[1:-1]
     k = 1 + next(i for i, s in enumerate(middle) if s >= statistics.median(middle))
     layers = LayeredModel(model, example)
+    source = source or Source.of(model, None, 0)
+    device = tensors_of(example)[0].device
+    x = example
     with torch.no_grad():
-        x = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, layers.stage(0, k - 1)(example))
-    stage = layers.stage(k, k)
+        for j in range(k):
+            x = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, call(layer_stage(layers, j, j, source, device), x))
+    stage = layer_stage(layers, k, k, source, device)
     n = flatten(x)[0][0].shape[0] if flatten(x)[0][0].dim() else 1
     rows = max(1, min(n, int(n * seconds / max(layer_s[k], 1e-12))))
     fewer = LayerStep(stage, pytree.tree_map_only(torch.Tensor, lambda t: t[:rows] if t.dim() and len(t) == n else t, x))

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from pipetrain.costs import allreduce_copy_bytes
 from pipetrain.planning.partition import plan
 from pipetrain.planning.result import Plan
 from pipetrain.predict.cgdp import best_chunk, host_costs, predict_on_host
@@ -118,6 +119,12 @@ class Strategy:
     def check_host(self, model: nn.Module, local_workers: int) -> None:
         """One-line ValueError when this machine cannot hold what the strategy keeps beside the workers."""
 
+    def sync_bytes(self, gradient_bytes: int, workers: int, device: str) -> int:
+        """Bytes of the gradient copies one worker's synchronizer holds while ``workers`` agree on
+        ``gradient_bytes`` of gradient, in the memory of ``device`` (``"cpu"`` or ``"cuda"``): what
+        :func:`pipetrain.costs.worker_memory_bytes` adds to the gradients themselves."""
+        return 0
+
     @property
     def changes_arithmetic(self) -> bool:
         """Does it compute something other than SGD's own sums (a lossy codec)?"""
@@ -156,6 +163,10 @@ class Pipeline(Strategy):
     def options(self) -> dict[str, Any]:
         return {"strategy": self.name, "schedule": PipeDream.name}
 
+    def sync_bytes(self, gradient_bytes: int, workers: int, device: str) -> int:
+        """A replicated stage allreduces flat copies of its gradient (:func:`pipetrain.costs.allreduce_copy_bytes`)."""
+        return int(allreduce_copy_bytes(gradient_bytes, workers))
+
 
 @dataclass(frozen=True)
 class _Allreduced(Strategy):
@@ -187,6 +198,10 @@ class DDP(_Allreduced):
     def prediction_flags(self) -> dict[str, Any]:
         """Synchronous SGD (Pipe-SGD eq. 2) on the backend's allreduce, its buckets inside the backward."""
         return {"staleness": 1, "own_ring": False, "buckets_in_backward": True}
+
+    def sync_bytes(self, gradient_bytes: int, workers: int, device: str) -> int:
+        """DDP's buckets hold a flat copy of every gradient (``gradient_as_bucket_view`` is off)."""
+        return gradient_bytes
 
 
 @dataclass(frozen=True)
@@ -226,6 +241,11 @@ class PipeSGD(_Allreduced):
 
     def staleness_at(self, epoch: int) -> int:
         return 1 if epoch < self.warmup_epochs else self.staleness
+
+    def sync_bytes(self, gradient_bytes: int, workers: int, device: str) -> int:
+        """A flat buffer per minibatch whose gradient is in the ring or lent to ``.grad``: K of them (the
+        ring's receive blocks, 1/p of it, left out)."""
+        return self.staleness * gradient_bytes
 
     def check_model(self, model: nn.Module) -> None:
         dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
@@ -280,6 +300,12 @@ class CGDP(Strategy):
 
     def options(self) -> dict[str, Any]:
         return {"strategy": self.name, "chunk": self.chunk}
+
+    def sync_bytes(self, gradient_bytes: int, workers: int, device: str) -> int:
+        """On the CPU, the pages of the machine's shared gradient memory a worker touches: its own slot, its
+        share of the others' slots, and the two sums its ``.grad`` views (its own ``.grad`` is let go into
+        them), about three gradients; on a GPU nothing: that memory is the host's."""
+        return 3 * gradient_bytes if device == "cpu" else 0
 
     def check_host(self, model: nn.Module, local_workers: int) -> None:
         """Room in the machine's shared memory for its workers' gradients."""
