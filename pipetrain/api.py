@@ -21,7 +21,6 @@ from pipetrain.layout import Layout
 from pipetrain.planning import Plan, check_fits
 from pipetrain.planning.units import parse_bytes
 from pipetrain.predict.memory import predict_memory
-from pipetrain.profiling import Profile
 from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strategy, as_schedule, as_strategy
 from pipetrain.result import TrainResult, gather, write_trace
 from pipetrain.runtime import checkpoint, saving
@@ -190,12 +189,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     check_request(chosen, schedule if schedule_auto else picked, stages, workers, bandwidth)
     _check_memory_limit(memory_limit, stages)
     choice, phases = None, {}  # type: dict[str, Any] | None, dict[str, float]
-    profile: Profile | None = None  # the one measured to plan or choose, if any
     if isinstance(chosen, Auto):
         assert workers is not None
         auto_pick = auto.choose(training, run, workers, bandwidth, chosen.allow_compression)
         chosen, picked, stages, choice = auto_pick.strategy, auto_pick.schedule, auto_pick.plan, auto_pick.choice
-        profile = auto_pick.profile
     layers: LayeredModel | None = None
     if chosen.data_parallel:
         assert workers is not None
@@ -204,8 +201,8 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     else:
         if schedule_auto:
             assert workers is not None
-            picked, plan, predicted, recompute, profile = auto.plan_schedule(training, run, workers, bandwidth,
-                                                                             phases, memory_limit)
+            picked, plan, predicted, recompute = auto.plan_schedule(training, run, workers, bandwidth, phases,
+                                                                    memory_limit)
             if recompute != training.recompute:  # a fresh Training checks the dataset again
                 training = replace(training, recompute=recompute)
         picked = (picked or as_schedule(DEFAULT_SCHEDULE)).placed(workers)
@@ -213,15 +210,13 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         layers = LayeredModel(model, JobConfig.example_of(training, picked.microbatches))
         phases["capture_s"] = time.perf_counter() - (captured if schedule_auto else started)
         if not schedule_auto:
-            plan, predicted, planned = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases,
-                                             memory_limit)
-            profile = profile or planned
+            plan, predicted = _plan(training, run, picked, stages, workers, bandwidth, len(layers), phases,
+                                    memory_limit)
         layout = Layout.pipeline(plan.boundaries, plan.replicas) if plan is not None else \
             Layout.pipeline(layers.boundaries(list(stages)))  # type: ignore[arg-type]
         cfg = JobConfig(training, run, chosen, picked, layout, layers)
     _preflight(cfg)
-    profile = profile or _sized(cfg, phases)
-    memory = predict_memory(profile, cfg) if profile is not None else []
+    memory = _predicted_memory(cfg, layers, phases)
     result = _launch(cfg, layers, started, restarted)
     result.plan, result.choice, result.phases = plan, choice, {**phases, **result.phases}
     result.predicted_samples_per_s = choice["predictions"][choice["choice"]] if choice else predicted
@@ -229,15 +224,14 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     return result
 
 
-def _sized(cfg: JobConfig, phases: dict[str, float]) -> Profile | None:
-    """For a job whose stages are given, the profile its memory prediction reads
-    (:func:`pipetrain.auto.sized_profile`: each layer once, on a microbatch or a data-parallel worker's
-    shard; None where the model cannot be profiled), its seconds in ``phases["memory_s"]``."""
+def _predicted_memory(cfg: JobConfig, layers: LayeredModel | None, phases: dict[str, float]) -> list[int]:
+    """Each worker's predicted peak memory (:func:`pipetrain.predict.memory.predict_memory`), its
+    seconds in ``phases["memory_s"]``."""
     begun = time.perf_counter()
-    rows = cfg.training.batch_size // (cfg.world if cfg.data_parallel else cfg.microbatches)
-    sized = auto.sized_profile(cfg.training, cfg.run, cfg.world, rows)
+    device = auto.workers_device()
+    memory = predict_memory(cfg, layers, auto.baseline_bytes(cfg.training, device, cfg.threads))
     phases["memory_s"] = time.perf_counter() - begun
-    return sized
+    return memory
 
 
 def _check_memory_limit(memory_limit: float | str | None, stages: Any) -> None:
@@ -252,23 +246,22 @@ def _check_memory_limit(memory_limit: float | str | None, stages: Any) -> None:
 
 def _plan(training: Training, run: RunOptions, schedule: PipelineSchedule, stages: Stages | None, workers: int | None,
           bandwidth: float | str | None, num_layers: int, phases: dict[str, float],
-          memory_limit: float | str | None = None) -> tuple[Plan | None, float | None, Profile | None]:
+          memory_limit: float | str | None = None) -> tuple[Plan | None, float | None]:
     """The plan ``stages`` names (a Plan, a plan JSON path, or ``"auto"``: made here, its phases' seconds
-    added to ``phases``), checked against the model's ``num_layers`` and the ``workers`` asked for, its
-    predicted samples/s, and the profile it was made from where it was made here; (None, None, None) for
-    stages given as first layers."""
+    added to ``phases``), checked against the model's ``num_layers`` and the ``workers`` asked for, and its
+    predicted samples/s; (None, None) for stages given as first layers."""
     if isinstance(stages, str) and stages == "auto":
         assert workers is not None
         return auto.plan_stages(training, run, schedule, workers, bandwidth, phases, memory_limit)
     if not isinstance(stages, (str, os.PathLike, Plan)):
-        return None, None, None
+        return None, None
     plan = stages if isinstance(stages, Plan) else Plan.load(stages)
     source = "the plan" if isinstance(stages, Plan) else str(stages)
     check_fits(plan, num_layers, source)
     if workers is not None and plan.workers != workers:
         raise ValueError(f"{source} places {plan.workers} workers but workers={workers} was asked for; "
                          f"use {plan.workers} or make a new plan with `pipetrain plan --workers {workers}`")
-    return plan, training.batch_size / plan.stage_time_s if plan.stage_time_s > 0 else None, None
+    return plan, training.batch_size / plan.stage_time_s if plan.stage_time_s > 0 else None
 
 
 SILENT_AFTER_S = 20.0

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.batches import collate_parts, first_inputs, per_epoch, to_device
+from pipetrain.batches import collate_parts, per_epoch, to_device
 from pipetrain.config import RunOptions, Training, shared_cores
-from pipetrain.errors import one_line, warn
+from pipetrain.errors import one_line
 from pipetrain.initialize import InitError
 from pipetrain.layers import LayerError
 from pipetrain.planning import Plan, plan
@@ -33,7 +33,7 @@ from pipetrain.timing import torch_threads
 from pipetrain.runtime.dist import init_distributed
 from pipetrain.runtime.launch import under_torchrun
 from pipetrain.runtime.parts import Source, is_meta
-from pipetrain.runtime.resident import baseline
+from pipetrain.runtime.resident import baseline, model_modules
 from pipetrain.simulate import Link
 
 DEFAULT_BANDWIDTH = "10Gbit"
@@ -43,14 +43,12 @@ DEFAULT_BANDWIDTH = "10Gbit"
 @dataclass(frozen=True)
 class Chosen:
     """What ``strategy="auto"`` picked: the strategy with its options, the pipeline's schedule and
-    plan (None for data parallelism), the whole choice (``Choice.to_dict()``) with its prediction, and
-    the profile it was priced from."""
+    plan (None for data parallelism), and the whole choice (``Choice.to_dict()``) with its prediction."""
 
     strategy: Strategy
     schedule: PipelineSchedule | None
     plan: Plan | None
     choice: dict[str, Any]
-    profile: Profile
 
 
 def on_rank0(work: Callable[[], dict[str, Any]], run: RunOptions) -> dict[str, Any]:
@@ -135,36 +133,6 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     return measured
 
 
-def sized_profile(t: Training, run: RunOptions, workers: int, rows: int) -> Profile | None:
-    """The profile a job whose stages are given predicts its workers' memory from
-    (:mod:`pipetrain.predict.memory`), without planning's cost: each layer run once (one forward, a
-    backward seeded with ones, one optimizer step: the profiler at ``repeats=1``, ``warmup=0``, the loss
-    left out) on the inputs of the first ``rows`` samples (a microbatch, a data-parallel worker's
-    shard), on the workers' device, one layer at a time, with the workers' process baseline. Its bytes
-    are exact (they do not vary between runs); its times are one run's each, not to plan with. On rank
-    0 under torchrun, the others taking its result. None, with a warning, where the profiler cannot
-    run the model: the prediction is a report, and the workers say what fails in their own words."""
-    def work() -> dict[str, Any]:
-        device = workers_device()
-        threads = run.threads or shared_cores(workers)
-        try:
-            inputs = to_device(first_inputs(t.dataset, rows, t.target_key, t.collate_fn), device)
-            with torch_threads(threads):
-                sized = profile_model(t.model, inputs, optimizer=t.optimizer, repeats=1, warmup=0, weights=t.weights,
-                                      seed=t.seed)
-        except Exception as e:  # the user's model on the user's data: the workers will say it better
-            return {"error": one_line(e)}
-        sized.baseline_bytes = baseline_bytes(t, device, threads)
-        return {"profile": sized.to_dict()}
-
-    found = on_rank0(work, run)
-    if "error" in found:
-        warn(f"pipetrain could not profile the model to predict its workers' memory ({found['error']}); training "
-             "without the prediction")
-        return None
-    return Profile.from_dict(found["profile"])
-
-
 def workers_device() -> torch.device:
     """Where the workers of a job started here train, and so where it is measured: a GPU where the
     machine has one."""
@@ -173,21 +141,21 @@ def workers_device() -> torch.device:
 
 def baseline_bytes(t: Training, device: torch.device, threads: int) -> int:
     """What a worker of ``threads`` torch threads holds before its stage on ``device``: on the CPU its
-    process, as the runtime starts one and sends it ``t`` (the dataset with it), warmed up by a small
-    step of ``t``'s optimizer (:func:`pipetrain.runtime.resident.baseline`); on a GPU nothing (its
+    process, as the runtime starts one, with the modules of ``t``'s model imported and warmed up by a
+    small step of ``t``'s optimizer (:func:`pipetrain.runtime.resident.baseline`); on a GPU nothing (its
     figure is the tensors allocated there)."""
-    return 0 if device.type == "cuda" else baseline(t.without_model(), threads, t.optimizer)
+    return 0 if device.type == "cuda" else baseline(model_modules(t.model), threads, t.optimizer)
 
 
 def plan_stages(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
                 bandwidth: float | str | None, phases: dict[str, float],
-                memory: float | str | None = None) -> tuple[Plan, float | None, Profile]:
-    """``stages="auto"``: the plan for ``workers`` (each worker within ``memory`` bytes, if given), its
-    predicted samples/s and the profile it was made from (on rank 0 under torchrun), the seconds of
-    profiling, measuring the set-up and planning added to ``phases``."""
+                memory: float | str | None = None) -> tuple[Plan, float | None]:
+    """``stages="auto"``: the plan for ``workers`` (each worker within ``memory`` bytes, if given) and its
+    predicted samples/s (on rank 0 under torchrun), the seconds of profiling, measuring the set-up and
+    planning added to ``phases``."""
     found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH, memory), run)
     phases.update(found["phases"])
-    return Plan.from_dict(found["plan"]), found["predicted"], Profile.from_dict(found["profile"])
+    return Plan.from_dict(found["plan"]), found["predicted"]
 
 
 def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
@@ -223,17 +191,17 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     measuring = [measured] if at is measured else [measured, at]
     phases = {key: sum(p.meta.get(key, 0.0) for p in measuring) for key in ("profile_s", "setup_s")}
     phases["plan_s"] = time.perf_counter() - begun - sum(phases.values())
-    return {"plan": chosen.to_dict(), "predicted": rates[best] or None, "phases": phases, "profile": measured.to_dict()}
+    return {"plan": chosen.to_dict(), "predicted": rates[best] or None, "phases": phases}
 
 
 def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,
                   phases: dict[str, float], memory: float | str | None = None
-                  ) -> tuple[PipelineSchedule, Plan, float, bool, Profile]:
+                  ) -> tuple[PipelineSchedule, Plan, float, bool]:
     """``schedule="auto"`` with ``stages="auto"``: measure on rank 0, price every schedule at each
     microbatch count for the planned stages within ``memory`` bytes per worker
     (:func:`pipetrain.planning.schedules.choose_schedule`; every row recomputing where ``t.recompute``),
     print the table and the reason, and return the fastest schedule, its plan (the whole table in
-    ``plan.options["schedules"]``), its predicted samples/s, whether it recomputes, and the profile."""
+    ``plan.options["schedules"]``), its predicted samples/s and whether it recomputes."""
     def work() -> dict[str, Any]:
         begun = time.perf_counter()
         measured = measured_profile(t, run, workers, ring_cpu=False)
@@ -243,7 +211,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
                                 recompute=True if t.recompute else None)
         spent = {key: measured.meta.get(key, 0.0) for key in ("profile_s", "setup_s")}
         spent["plan_s"] = time.perf_counter() - begun - sum(spent.values())
-        return {"choice": found.to_dict(), "phases": spent, "profile": measured.to_dict()}
+        return {"choice": found.to_dict(), "phases": spent}
 
     found = on_rank0(work, run)
     phases.update(found["phases"])
@@ -252,8 +220,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
         print(f"pipetrain: schedule auto\n{choice.table()}\n{choice.reason}", flush=True)
     chosen = choice.plan
     chosen.options["schedules"] = found["choice"]
-    return choice.schedule(), chosen, choice.chosen.samples_per_s or 0.0, choice.chosen.recompute, \
-        Profile.from_dict(found["profile"])
+    return choice.schedule(), chosen, choice.chosen.samples_per_s or 0.0, choice.chosen.recompute
 
 
 def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,
@@ -267,16 +234,15 @@ def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | 
         measured = measured_profile(t, run, workers, step_rows=shard)
         if measured.setup is not None:  # what the predictions below are priced with
             print(f"pipetrain: measured set-up: {measured.setup.describe()}", flush=True)
-        return {"choice": choose_strategy(measured, workers, bandwidth, batch_size=t.batch_size,
-                                          one_machine=one_machine, allow_compression=allow_compression).to_dict(),
-                "profile": measured.to_dict()}
+        return choose_strategy(measured, workers, bandwidth, batch_size=t.batch_size, one_machine=one_machine,
+                               allow_compression=allow_compression).to_dict()
 
     found = on_rank0(work, run)
-    choice = Choice.from_dict(found["choice"])
+    choice = Choice.from_dict(found)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"pipetrain: strategy auto\n{choice.table()}\n{choice.reason}", flush=True)
     picked = dict(choice.options[choice.choice])
     name, stages = picked.pop("strategy"), picked.pop("stages", None)
     schedule = make("schedule", picked.pop("schedule"), {}) if "schedule" in picked else None
-    return Chosen(make("strategy", name, picked), schedule, stages, found["choice"], Profile.from_dict(found["profile"]))
+    return Chosen(make("strategy", name, picked), schedule, stages, found)
 

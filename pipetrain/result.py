@@ -62,9 +62,10 @@ class TrainResult:
         peak_device_memory: per rank training on a GPU, the most bytes of tensors it held there at once
             (``torch.cuda.max_memory_allocated``); 0 on the CPU.
         predicted_memory: per rank, the peak bytes pipetrain predicted before training
-            (:func:`pipetrain.predict.memory.predict_memory`: weights, stashed versions, activations in
-            flight, gradients, optimizer state, a synchronizer's gradient copies and, on the CPU, the
-            worker process's baseline), to set beside :attr:`measured_memory`.
+            (:func:`pipetrain.predict.memory.predict_memory`, read off the model's shapes on the meta
+            device: weights, stashed versions, activations in flight, gradients, optimizer state, a
+            synchronizer's gradient copies and, on the CPU, the worker process's baseline), to set
+            beside :attr:`measured_memory`.
         stashed_bytes: per rank, the peaks of what it kept between forwards and backwards:
             ``activation_bytes`` (what autograd saved for the microbatches in flight, and their
             inputs; with ``recompute=True`` the inputs and one microbatch's activations during its
@@ -78,8 +79,8 @@ class TrainResult:
             most 2 for ``2bw``.
         phases: seconds the call spent before training, by phase: ``capture_s`` (cutting the model
             into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
-            and ``plan_s``; where nothing was profiled to plan, ``memory_s`` (profiling each layer once
-            for ``predicted_memory``, and measuring the process baseline); ``start_s`` (from starting
+            and ``plan_s``; ``memory_s`` (predicting each worker's memory, and measuring the process
+            baseline the first time); ``start_s`` (from starting
             the workers until each held its stage) and ``first_update_s`` (from then to the first
             update), these two where this call started the workers (not under torchrun); with
             ``save``, also what it spent after training, ``save_s``: from the last worker beginning to

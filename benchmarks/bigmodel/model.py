@@ -21,8 +21,8 @@ SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4),
     "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12),
-    "1.5b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
-                 num_attention_heads=16),
+    "1.5b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=28,
+                 num_attention_heads=16),  # 1.57B parameters, 5.9 GiB
     "2.7b": dict(vocab_size=32000, hidden_size=2560, intermediate_size=6912, num_hidden_layers=32,
                  num_attention_heads=20),
     "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

@@ -3,6 +3,7 @@ worker holds before it builds its stage (what the memory prediction adds to its 
 :mod:`pipetrain.predict.memory`)."""
 from __future__ import annotations
 
+import importlib
 import os
 import resource
 from collections.abc import Callable
@@ -27,29 +28,43 @@ def resident() -> int:
         return peak_resident()
 
 
-def baseline(shipped: Any, threads: int, optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> int:
+_BASELINES: dict[tuple[Any, ...], int] = {}
+"""Baselines measured in this process, by what they depend on: the probe runs once per kind of job."""
+
+
+def baseline(modules: tuple[str, ...], threads: int, optimizer: Callable[..., torch.optim.Optimizer] | None = None
+             ) -> int:
     """The bytes a worker process holds before it builds its stage, on the CPU.
 
-    Measured, not modelled: one process is started as the runtime starts its workers (forked from the
-    fork server that has imported torch and pipetrain, :func:`pipetrain.runtime.launch.spawn`), is sent
-    ``shipped`` (what every worker is sent beside its stage: the job's configuration, its dataset
-    included), sets ``threads`` torch threads, runs one training step of a small linear layer with
-    ``optimizer``, and reports its peak resident memory. The step loads the code of the compute kernels
-    (on a CPU about 80 MB of BLAS and torch pages, which a worker loads at its first step whatever its
-    stage); its own tensors are a few hundred bytes. Under torchrun, where this very process is the
-    worker, its resident memory now (rank 0's: it may have profiled the model, which a later peak does
-    not count)."""
+    Measured, not modelled, once per process and kind of job: one process is started as the runtime
+    starts its workers (forked from the fork server that has imported torch and pipetrain,
+    :func:`pipetrain.runtime.launch.spawn`), imports ``modules`` (where the model's classes live, as a
+    worker does when it reads its stage: transformers for a Hugging Face model), sets ``threads``
+    torch threads, runs one training step of a small linear layer with ``optimizer``, and reports its
+    peak resident memory. The step loads the code of the compute kernels (on a CPU about 80 MB of BLAS
+    and torch pages, which a worker loads at its first step whatever its stage). The dataset a worker
+    is sent is left out. Under torchrun, where this very process is the worker, its resident memory now."""
     if under_torchrun():
         return resident()
-    return int(spawn(_held, 1, (shipped, threads, optimizer), describe=lambda rank: "the memory baseline's probe")[0])
+    key = (modules, threads, getattr(optimizer, "func", optimizer))
+    if key not in _BASELINES:
+        _BASELINES[key] = int(spawn(_held, 1, (modules, threads, optimizer),
+                                    describe=lambda rank: "the memory baseline's probe")[0])
+    return _BASELINES[key]
 
 
-def _held(shipped: Any, threads: int, optimizer: Callable[..., torch.optim.Optimizer] | None) -> int:
-    """In the probe process: its peak resident bytes after one small training step, ``shipped`` read (as a
-    worker reads its arguments)."""
+def _held(modules: tuple[str, ...], threads: int, optimizer: Callable[..., torch.optim.Optimizer] | None) -> int:
+    """In the probe process: its peak resident bytes after importing ``modules`` and one small training step."""
+    for name in modules:
+        importlib.import_module(name)
     torch.set_num_threads(threads)
     layer = torch.nn.Linear(16, 16)
     layer(torch.ones(4, 16)).sum().backward()
     if optimizer is not None:
         optimizer(list(layer.parameters())).step()
     return peak_resident()
+
+
+def model_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """The Python modules that define ``model``'s module classes (what a worker imports to read its stage)."""
+    return tuple(sorted({type(m).__module__ for m in model.modules()}))
