@@ -3,7 +3,8 @@ with it hidden (``CUDA_VISIBLE_DEVICES=""``): ``python tests/gpu/job.py OUT OPTI
 
 OPTIONS_JSON holds ``pipetrain.train``'s options as the CLI names them (``strategy``, ``schedule``,
 ``microbatches``, ``staleness``, ``compression``, ``chunk``, ``stages``, ``workers``, ...) and ``model``:
-``"mlp64"`` (float64, for exactness), ``"mlp32"`` (float32, for bf16), ``"shape-branch"`` (float64, a
+``"mlp64"`` (float64, for exactness), ``"mlp32"`` (float32, for bf16), ``"wide"`` (float32, 4 MiB layers,
+for memory), ``"shape-branch"`` (float64, a
 model ``torch.fx`` cannot trace and ``torch.export`` can) or ``"tied"`` (float64, its first and fifth layers
 share their weight: with ``stages=[0, 3]`` each stage holds a copy). With ``"weights": PATH`` the model is built
 on the meta device and each worker loads its stage from that file; the trained model is then saved
@@ -62,13 +63,24 @@ def data(dtype: torch.dtype, n: int = 256) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8, generator=g, dtype=dtype), torch.randn(n, 4, generator=g, dtype=dtype))
 
 
+def wide() -> nn.Sequential:
+    """Float32, 1024 wide: 8 -> 1024, six 1024 x 1024 layers (4 MiB each), -> 4, Tanh between."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 1024), nn.Tanh()]
+    for _ in range(6):
+        layers += [nn.Linear(1024, 1024), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(1024, 4))
+
+
 def build(kind: str, dtype: torch.dtype) -> nn.Module:
+    if kind == "wide":
+        return wide()
     return ShapeBranch().to(dtype) if kind == "shape-branch" else tied() if kind == "tied" else mlp(dtype)
 
 
 def main(out: str, options: dict) -> None:
     kind = options.pop("model", "mlp64")
-    dtype = torch.float32 if kind == "mlp32" else torch.float64
+    dtype = torch.float32 if kind in ("mlp32", "wide") else torch.float64
     weights = options.pop("weights", None)
     if weights is None:
         model = build(kind, dtype)
@@ -86,6 +98,7 @@ def main(out: str, options: dict) -> None:
     state = result.model.state_dict() if result.model is not None else load_file(f"{out}.safetensors")
     torch.save({"state": state, "history": result.history, "sync_stats": result.sync_stats, "traces": result.traces,
                 "bytes_sent": result.bytes_sent, "peak_memory": result.peak_memory,
+                "peak_device_memory": result.peak_device_memory, "predicted_memory": result.predicted_memory,
                 "gpu": torch.cuda.is_available()}, out)
 
 

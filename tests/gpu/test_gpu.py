@@ -79,6 +79,23 @@ def test_a_meta_model_loads_its_stages_from_safetensors_onto_the_gpu(tmp_path) -
 
 
 @pytest.mark.multiprocess
+def test_each_worker_sharing_the_gpu_holds_its_stage_not_the_model(tmp_path) -> None:
+    """Two stages of 12.6 MiB each: a worker's device peak is its stage's weights, their gradients and a
+    little activation memory, below what the whole model's weights and one stage's gradients would take;
+    the prediction (no baseline on a GPU) is within 30% of it."""
+    sys.path.insert(0, str(JOB.parent))
+    from job import wide
+    model = wide()
+    stage = [sum(p.numel() * 4 for m in list(model)[a:b] for p in m.parameters()) for a, b in ((0, 8), (8, 15))]
+    whole = sum(stage)
+    done = job(tmp_path, "gpu", {"backend": "gloo", "stages": [0, 8], "model": "wide", "schedule": "1f1b-flush",
+                                 "microbatches": 2})
+    for mine, peak, predicted in zip(stage, done["peak_device_memory"], done["predicted_memory"]):
+        assert 2 * mine <= peak < whole + mine, (stage, done["peak_device_memory"])
+        assert abs(predicted / peak - 1) < 0.3, (done["predicted_memory"], done["peak_device_memory"])
+
+
+@pytest.mark.multiprocess
 def test_nccl_with_two_workers_on_one_gpu_is_refused_before_any_worker_starts(tmp_path) -> None:
     if torch.cuda.device_count() != 1:
         pytest.skip("needs a machine with exactly one GPU")
