@@ -24,7 +24,7 @@ from torch import nn
 import pipetrain
 from pipetrain.zoo import gpt_like
 
-PHASES = ("capture_s", "profile_s", "setup_s", "plan_s", "start_s", "first_update_s")
+PHASES = ("capture_s", "profile_s", "setup_s", "plan_s", "memory_s", "start_s", "first_update_s")
 
 
 def counting(n: int, seq: int, span: int = 1000, seed: int = 0) -> torch.utils.data.TensorDataset:

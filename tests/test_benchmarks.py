@@ -74,7 +74,7 @@ def test_gpt2_real_reports_the_time_to_the_first_update_and_its_phases() -> None
     assert done.returncode == 0, done.stderr[-3000:]
     first = json.loads(done.stdout.splitlines()[0])
     phases = first["phases"]
-    assert set(phases) == {"capture_s", "profile_s", "setup_s", "plan_s", "start_s", "first_update_s"}
+    assert set(phases) == {"capture_s", "profile_s", "setup_s", "plan_s", "memory_s", "start_s", "first_update_s"}
     # the phases follow one another within the call's time to its first update
     assert 0 < sum(phases.values()) <= first["first_update_s"] + 1e-6
     assert first["updates"] == 4 and len(first["peak_memory_gib"]) == 2 and min(first["peak_memory_gib"]) > 0

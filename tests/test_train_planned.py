@@ -31,7 +31,7 @@ def test_auto_profiles_plans_and_runs():
     assert result.predicted_samples_per_s and result.predicted_samples_per_s > 0
     lcm = math.lcm(*result.plan.replicas)  # minibatches not filling a round of replicas are dropped
     assert len(result.history) == 8 // lcm * lcm and result.samples_per_s > 0
-    assert set(result.phases) == {"capture_s", "profile_s", "setup_s", "plan_s", "start_s", "first_update_s"}
+    assert set(result.phases) == {"capture_s", "profile_s", "setup_s", "plan_s", "memory_s", "start_s", "first_update_s"}
     assert result.history[0]["time"] - result.started >= sum(result.phases.values()) > 0
     assert len(result.peak_memory) == 3 and min(result.peak_memory) > 2**20
 
