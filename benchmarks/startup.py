@@ -12,11 +12,15 @@ call does), in three forms:
   process, what a worker's start-up includes on top);
 * ``init``: the model built on the meta device, each worker initializing its stage.
 
-Per run it prints the seconds from the call to the first update, ``phases["start_s"]`` (the workers
-started until each holds its stage) and each worker's peak resident memory. Run it under
+Per run it prints the seconds from the ``train`` call (the model built before it) to the first forward
+and to the first update, ``phases["start_s"]`` (the workers started until each holds its stage) and
+each worker's peak resident memory. Run it under
 ``flock /tmp/pipetrain-bench.lock`` on a quiet machine::
 
     python benchmarks/startup.py --pairs 32 64 --schedules pipedream 1f1b-flush --forms real weights init
+
+``--forms real`` needs nothing newer than ``pipetrain.train`` itself, so it also runs against an older
+checkout (``PYTHONPATH=OLD_CHECKOUT``), for a before and after.
 """
 from __future__ import annotations
 
@@ -36,7 +40,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import pipetrain
-from pipetrain.weightfiles import WeightFiles, write_shard
 
 WIDTH = 2048
 
@@ -56,21 +59,22 @@ def run(pairs: int, schedule: str, form: str, weights: str) -> dict[str, Any]:
     data = TensorDataset(torch.randn(64, WIDTH), torch.randn(64, WIDTH))
     layers = 2 * pairs
     stages = [0, layers // 4, layers // 2, 3 * layers // 4]
-    called = time.perf_counter()
     if form == "real":
         net, extra = model(pairs), {}
     else:
         with torch.device("meta"):
             net = model(pairs)
         extra = {"weights": weights} if form == "weights" else {}
+    called = time.perf_counter()
     result = pipetrain.train(net, data, loss_fn=nn.functional.mse_loss,
                              optimizer=functools.partial(torch.optim.SGD, lr=0.01), stages=stages,
                              schedule=schedule_of(schedule), batch_size=16, epochs=1, threads=1, shuffle=False,
-                             **extra)
+                             trace=True, **extra)
+    first_forward = min(start for records in result.traces for action, start, _ in records if action.startswith("F"))
     return {"pairs": pairs, "schedule": schedule, "form": form,
             "model_gib": sum(p.numel() * 4 for p in net.parameters()) / 2**30,
-            "first_update_s": result.history[0]["time"] - called, "start_s": result.phases["start_s"],
-            "peak_gib": [p / 2**30 for p in result.peak_memory]}
+            "first_forward_s": first_forward - called, "first_update_s": result.history[0]["time"] - called,
+            "start_s": result.phases["start_s"], "peak_gib": [p / 2**30 for p in result.peak_memory]}
 
 
 def in_fresh_process(pairs: int, schedule: str, form: str, weights: Path) -> dict[str, Any]:
@@ -83,6 +87,7 @@ def in_fresh_process(pairs: int, schedule: str, form: str, weights: Path) -> dic
 
 def read_stage_s(weights: Path, pairs: int) -> float:
     """Seconds to read the first stage's tensors from ``weights`` in this process."""
+    from pipetrain.weightfiles import WeightFiles
     keys = [k for k in WeightFiles.open(weights).keys if int(k.split(".")[0]) < pairs // 2]
     begun = time.perf_counter()
     WeightFiles.open(weights).read(keys)
@@ -98,12 +103,14 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     rows = []
-    print("| model GiB | schedule | form | call to first update s | start_s | read one stage s | peak RSS per worker GiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model GiB | schedule | form | call to first forward s | to first update s | start_s | read one stage s | "
+          "peak RSS per worker GiB |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="pipetrain-startup-") as tmp:
         for pairs in args.pairs:
             weights = Path(tmp) / f"model{pairs}.safetensors"
             if "weights" in args.forms:
+                from pipetrain.weightfiles import write_shard
                 write_shard(weights, model(pairs).state_dict())
             read_s = read_stage_s(weights, pairs) if "weights" in args.forms else None
             for schedule in args.schedules:
@@ -112,7 +119,8 @@ def main() -> None:
                     row["read_stage_s"] = read_s if form == "weights" else None
                     rows.append(row)
                     read = f"{read_s:.1f}" if form == "weights" and read_s is not None else "-"
-                    print(f"| {row['model_gib']:.2f} | {schedule} | {form} | {row['first_update_s']:.1f} | "
+                    print(f"| {row['model_gib']:.2f} | {schedule} | {form} | {row['first_forward_s']:.1f} | "
+                          f"{row['first_update_s']:.1f} | "
                           f"{row['start_s']:.1f} | {read} | {' / '.join(f'{p:.2f}' for p in row['peak_gib'])} |",
                           flush=True)
     if args.json:

@@ -314,15 +314,16 @@ def shard_name(part: int, parts: int) -> str:
 
 
 @contextmanager
-def _atomic(target: Path) -> Iterator[io.BufferedWriter]:
-    """A file that becomes ``target`` only once fully written and on disk, so a reader (or a job
-    restarted after a crash) never finds half a file under the final name."""
+def _atomic(target: Path, durable: bool = True) -> Iterator[io.BufferedWriter]:
+    """A file that becomes ``target`` only once fully written (and, ``durable``, on disk), so a reader
+    (or a job restarted after a crash) never finds half a file under the final name."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -347,11 +348,12 @@ def _head(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...], int]], metadat
     return struct.pack("<Q", len(raw)) + raw, order
 
 
-def write_shard(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
+def write_shard(path: Path, tensors: Mapping[str, torch.Tensor], durable: bool = True) -> int:
     """Write ``tensors`` as one safetensors file with the ``{"format": "pt"}`` metadata transformers
-    expects, atomically. Each tensor is copied to the CPU (and made contiguous) only while it is
-    written, so a stage on a GPU never needs a second copy of all its weights in host memory; tensors
-    sharing storage are each written whole.
+    expects, atomically (and, ``durable``, synced to disk: a file that is to outlive the job). Each
+    tensor is copied to the CPU (and made contiguous) only while it is written, so a stage on a GPU
+    never needs a second copy of all its weights in host memory; tensors sharing storage are each
+    written whole.
 
     Returns:
         The bytes of tensor data written.
@@ -365,7 +367,7 @@ def write_shard(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
                            f"values; load or initialize the model's weights first")
     head, order = _head({k: (t.dtype, tuple(t.shape), t.numel() * t.element_size())
                          for k, t in tensors.items()}, {"format": "pt"})
-    with _atomic(Path(path)) as f:
+    with _atomic(Path(path), durable) as f:
         f.write(head)
         for key in order:
             f.write(_bytes(tensors[key]))

@@ -60,6 +60,12 @@ def test_a_meta_model_loads_its_stages_from_weights_and_trains_exactly(schedule,
 
 
 @pytest.mark.multiprocess
+def test_weights_replace_those_of_a_model_given_with_real_ones(mlp_weights):
+    result = pipetrain.train(mlp(seed=5), dataset(), stages=STAGES, schedule="gpipe", weights=mlp_weights, **ARGS)
+    assert_same(linears(result.model.state_dict()), reference(plain))  # gathered: it had real weights
+
+
+@pytest.mark.multiprocess
 def test_data_parallel_workers_each_load_the_whole_model_from_weights(mlp_weights, tmp_path):
     result = pipetrain.train(on_meta(mlp), dataset(), strategy="ddp", workers=2, weights=mlp_weights,
                              save=tmp_path / "out", **ARGS)

@@ -23,6 +23,8 @@ SIZES: dict[str, dict[str, int]] = {
                   num_attention_heads=12),
     "1.5b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=28,
                  num_attention_heads=16),  # 1.57B parameters, 5.9 GiB
+    "2.2b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=40,
+                 num_attention_heads=16),  # 2.19B parameters, 8.2 GiB
     "2.7b": dict(vocab_size=32000, hidden_size=2560, intermediate_size=6912, num_hidden_layers=32,
                  num_attention_heads=20),
     "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

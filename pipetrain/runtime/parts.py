@@ -119,7 +119,7 @@ class Shipment:
         for s, module in modules_of(self.layers, self.model, stages):
             if self.directory is not None and s not in self._written:
                 self._written[s] = str(self.directory / f"stage{s}.safetensors")
-                write_shard(Path(self._written[s]), _first_names(module))
+                write_shard(Path(self._written[s]), _first_names(module), durable=False)  # read once, then gone
             out.append(Part(s, meta_copy(module), self._written.get(s)))
         return out
 
