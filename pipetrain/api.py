@@ -89,10 +89,11 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
         bandwidth: link speed ``stages="auto"`` plans for (default 10 Gbit/s) and ``strategy="auto"``
             predicts at, bytes/s or a string such as ``"1Gbit"``.
         memory_limit: with ``stages="auto"``, the bytes (or ``"16GiB"``) a worker may hold: the plan keeps
-            each worker's predicted peak within it (:mod:`pipetrain.predict.memory`: its stage's weights,
-            stashed weight versions and stashed activations as the schedule and ``recompute`` keep them,
-            gradients, optimizer state, a replicated stage's allreduce copies and, on the CPU, the
-            worker process's baseline). ``result.predicted_memory`` reports that peak for every job.
+            each worker within it by the profile's per-layer bytes (its stage's weights, stashed weight
+            versions and every layer's output for each (micro)batch in flight as the schedule and
+            ``recompute`` keep them, gradients, optimizer state, a replicated stage's allreduce copies
+            and, on the CPU, the worker process's baseline): more than autograd saves, so the plan's
+            ``result.predicted_memory`` (:mod:`pipetrain.predict.memory`) is within it too.
         batch_size: samples per minibatch (one optimizer update of the whole job).
         epochs, shuffle, seed: passes over the data; with ``shuffle=False`` minibatch t (0-based)
             is items [t*B, (t+1)*B).
@@ -404,11 +405,11 @@ def _already_done(cfg: JobConfig, start: Start, started: float, restarts: list[d
 
 
 def _save_done(cfg: JobConfig, done: TrainResult, start: Start, source: Source) -> None:
-    """``save`` for a resumed job with nothing left to train: from the gathered model, or (built on the
-    meta device) from the checkpoint's files, one at a time."""
+    """``save`` for a resumed job with nothing left to train: from the checkpoint's files, one at a time
+    (a ``torch.save`` file from the model gathered from them)."""
     assert cfg.run.save is not None
-    if done.model is not None:
-        saving.write_whole(cfg.run.save, done.model, source.aliases)
+    if saving.gathered_only(cfg.run.save):
+        saving.finish(cfg.run.save, {}, cfg.training.model, done.model)
     else:
         assert cfg.run.checkpoint_dir is not None and start.resume_from is not None
         saving.write_checkpoint(cfg.run.save, cfg.run.checkpoint_dir, start.resume_from, cfg.training.model,

@@ -354,11 +354,13 @@ class JobConfig:
         object.__setattr__(cfg, "training", self.training.without_model())
         return cfg
 
+    def stage_indices(self, rank: int) -> list[int]:
+        """The stages ``rank`` holds: one, or every ``world``-th for a looped schedule."""
+        return list(range(rank, self.layout.num_stages, self.world)) if self.looped else [self.layout.stage_of(rank)]
+
     def stages_of(self, rank: int, num_layers: int) -> list[tuple[int, int, int]]:
-        """``(stage, first layer, last layer)`` of each stage ``rank`` holds (several for a looped schedule),
-        in a model of ``num_layers`` layers."""
-        stages = range(rank, self.layout.num_stages, self.world) if self.looped else [self.layout.stage_of(rank)]
-        return [(s, *self.layout.layer_range(s, num_layers)) for s in stages]
+        """``(stage, first layer, last layer)`` of each stage ``rank`` holds, in a model of ``num_layers`` layers."""
+        return [(s, *self.layout.layer_range(s, num_layers)) for s in self.stage_indices(rank)]
 
     def schedule_for(self, epoch: int, minibatches: int) -> Schedule:
         """The action lists of ``epoch``, with ``minibatches`` minibatches."""

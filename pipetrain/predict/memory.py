@@ -87,7 +87,7 @@ def worker_bytes(cfg: JobConfig, stages: dict[int, StageBytes], optimizer: float
     out = []
     for rank in range(cfg.world):
         total = float(baseline)
-        for s in ([s for s, _, _ in cfg.stages_of(rank, n)] if schedule is not None else [0]):
+        for s in cfg.stage_indices(rank):
             stage = stages[s]
             replicas = 1 if cfg.looped else layout.replicas[s]
             to_output = n - s if cfg.looped else sum(layout.replicas[s:])

@@ -219,7 +219,9 @@ def _report(cfg: JobConfig, rank: int, device: torch.device, ready: float, runne
             sync_stats: dict[str, Any]) -> RankResult:
     """What ``rank`` reports of its run. Data-parallel workers hold the same model: rank 0's comes
     back, the others' digests."""
-    state = {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()}
+    # only what is gathered or compared: a meta model's pipeline stage on a GPU is never copied to the host
+    state = {k: v.detach().cpu() for m in modules.values() for k, v in m.state_dict().items()} \
+        if cfg.gathers or cfg.data_parallel else {}
     footprints = [w.footprint.report() for w in workers.values()]
     return RankResult(
         rank=rank, digest=_digest(state) if cfg.data_parallel else None,

@@ -148,7 +148,7 @@ def build(part: Part, source: Source, device: torch.device) -> nn.Module:
     """The stage of ``part`` on ``device``: meta tensors given their values from ``source`` first
     (read to the CPU or initialized there, then moved, so values do not depend on the device)."""
     module = part.module
-    missing = meta_names(module)
+    missing = [] if part.values is not None else meta_names(module)
     if part.values is not None:
         files = WeightFiles.open(part.values)
         assign(module, files.read(files.keys))

@@ -101,12 +101,6 @@ def finish(save: str | os.PathLike, shards: Mapping[str, list[str]], model: nn.M
             config.save_pretrained(path)
 
 
-def write_whole(save: str | os.PathLike, model: nn.Module, aliases: Mapping[str, tuple[str, ...]]) -> None:
-    """Write a model held whole in this process (one gathered from a checkpoint) as ``save`` says."""
-    shards = {} if gathered_only(save) else write_stage(save, 0, 1, model.state_dict(), set(), aliases)
-    finish(save, shards, model, model)
-
-
 def write_checkpoint(save: str | os.PathLike, directory: str | os.PathLike, epoch: int, model: nn.Module,
                      aliases: Mapping[str, tuple[str, ...]]) -> None:
     """Write the model the workers checkpointed after ``epoch`` as ``save`` says (a directory or a
