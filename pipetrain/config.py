@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, first_inputs, target_keys
-from pipetrain.errors import one_line
+from pipetrain.errors import named, one_line
 from pipetrain.layers import LayeredModel, check_boundaries
 from pipetrain.layout import Layout
 from pipetrain.planning import Plan
@@ -71,7 +71,7 @@ class Training:
         for name, example in (("loss_fn", "torch.nn.functional.mse_loss"),
                               ("optimizer", "functools.partial(torch.optim.SGD, lr=0.1)")):
             if not callable(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r} is not callable; pass a function such as {example}")
+                raise ValueError(f"{name}={named(getattr(self, name))} is not callable; pass a function such as {example}")
         keys = self.target_key if isinstance(self.target_key, str) else \
             tuple(self.target_key) if isinstance(self.target_key, (tuple, list)) else None
         if not (isinstance(keys, str) or keys and all(isinstance(k, str) for k in keys)):
@@ -79,14 +79,14 @@ class Training:
                              "string), or several (a tuple of strings)")
         object.__setattr__(self, "target_key", keys)
         if self.collate_fn is not None and not callable(self.collate_fn):
-            raise ValueError(f"collate_fn={self.collate_fn!r} is not callable; pass a function from a list of items "
+            raise ValueError(f"collate_fn={named(self.collate_fn)} is not callable; pass a function from a list of items "
                              "to a minibatch, as DataLoader(collate_fn=...) takes")
         n_items = _count_items(self.dataset, "the dataset", keys, self.collate_fn)
         if n_items < self.batch_size:
             raise ValueError(f"the dataset has {n_items} items, fewer than one minibatch of {self.batch_size}; use a "
                              "smaller batch_size")
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
-            raise ValueError(f"lr_scheduler={self.lr_scheduler!r} is not callable; pass a factory taking the optimizer, "
+            raise ValueError(f"lr_scheduler={named(self.lr_scheduler)} is not callable; pass a factory taking the optimizer, "
                              "e.g. functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=100)")
         if self.clip_grad_norm is not None and (isinstance(self.clip_grad_norm, bool) or
                                                 not isinstance(self.clip_grad_norm, (int, float)) or

@@ -5,7 +5,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PipetrainError", "PipetrainWarning", "first_line", "one_line", "warn"]
+__all__ = ["PipetrainError", "PipetrainWarning", "first_line", "named", "one_line", "warn"]
 
 
 def first_line(e: BaseException, limit: int | None = 200) -> str:
@@ -19,6 +19,13 @@ def one_line(e: BaseException, limit: int | None = 200) -> str:
     line = first_line(e, limit)
     name = type(e).__name__
     return name if line == name else f"{name}: {line}"
+
+
+def named(value: Any, limit: int = 80) -> str:
+    """``value``'s repr for a one-line error, or ``<a Type>`` where that repr spans lines or runs long
+    (an optimizer's, a module's)."""
+    text = repr(value)
+    return text if "\n" not in text and len(text) <= limit else f"<a {type(value).__name__}>"
 
 
 class PipetrainError(RuntimeError):

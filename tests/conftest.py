@@ -20,6 +20,16 @@ STARTS = ((multiprocessing.process.BaseProcess, "start"),  # every multiprocessi
 """Where Python starts a process; in-process torch.distributed groups (world size 1) start none."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Build matplotlib's font cache before any test runs: on a machine without one, the first import
+    of ``matplotlib.pyplot`` runs ``fc-list``, a process start the fast tier would refuse to whichever
+    test happens to draw first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401  (importing it builds the cache)
+
+
 class ProcessStartRefused(RuntimeError):
     """A test outside the multiprocess tier tried to start a process."""
 

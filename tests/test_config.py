@@ -144,3 +144,14 @@ def test_gpu_tensors_cross_gloo_through_host_memory_and_nccl_as_they_are(monkeyp
     for backend, wire in (("gloo", torch.device("cpu")), ("nccl", cuda)):
         monkeypatch.setattr(pt_dist.dist, "get_backend", lambda group=None, b=backend: b)
         assert pt_dist.wire_device(cuda) == wire and pt_dist.wire_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_an_optimizer_built_already_is_named_by_its_class_in_one_line() -> None:
+    """An optimizer instance's repr spans a dozen lines; the error names its class instead."""
+    model = nn.Linear(4, 3)
+    data = TensorDataset(torch.zeros(8, 4), torch.zeros(8, 3))
+    with pytest.raises(ValueError) as info:
+        Training(model=model, dataset=data, loss_fn=torch.nn.functional.mse_loss,
+                 optimizer=torch.optim.AdamW(model.parameters()))
+    assert str(info.value) == ("optimizer=<a AdamW> is not callable; pass a function such as "
+                               "functools.partial(torch.optim.SGD, lr=0.1)")
