@@ -48,7 +48,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           precision: str = "fp32", recompute: bool = False, log_dir: str | os.PathLike | None = None,
           backend: str = "auto", loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
           collate_fn: Callable[[list[Any]], Any] | None = None, weights: str | os.PathLike | None = None,
-          save: str | os.PathLike | None = None) -> TrainResult:
+          save: str | os.PathLike | None = None, max_steps: int | None = None) -> TrainResult:
     """Train ``model`` on ``dataset`` with several worker processes.
 
     Args:
@@ -61,7 +61,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             (:func:`pipetrain.materialize` gives those weights in one process).
         dataset: a map-style dataset of ``(input, target)`` pairs (the model is called ``model(input)``),
             or of dictionaries (Hugging Face style ``{"input_ids", "attention_mask", "labels"}``): the
-            ``target_key`` entry is the target and the others the keyword inputs (``model(**inputs)``).
+            ``target_key`` entry is the target and the others the keyword inputs (``model(**inputs)``);
+            or a stream of either (an ``IterableDataset``), read in its own order, one pass an epoch
+            (:mod:`pipetrain.streams`; docs/training.md).
         loss_fn: ``loss_fn(output, target)`` of a minibatch; mean-reduced for microbatching and sharding.
         optimizer: a factory taking parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
         strategy: ``"pipeline"`` (stages on workers, run by ``schedule``), ``"ddp"``, ``"pipe-sgd"``,
@@ -158,6 +160,9 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             ``config.json``), a ``.safetensors`` path one file, a ``.pt`` path ``torch.save`` of the
             gathered state dict (:mod:`pipetrain.runtime.saving`). A model built on the meta device is
             not gathered (``result.model`` is None): give ``save`` to keep it.
+        max_steps: stop after this many updates (minibatches) in all, however many epochs that is; a
+            stream without ``len()`` then is read once, up to that many minibatches, instead of being
+            counted by a first pass.
 
     Raises:
         ValueError: bad arguments (one line says which and what to do).
@@ -173,7 +178,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
                         epochs=epochs, shuffle=shuffle, seed=seed, lr_scheduler=lr_scheduler,
                         clip_grad_norm=clip_grad_norm, precision=precision, recompute=recompute,
                         eval_dataset=eval_dataset, metrics=metrics, target_key=target_key, collate_fn=collate_fn,
-                        weights=_path(weights))
+                        weights=_path(weights), max_steps=max_steps)
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,
                      threads=threads, trace=bool(trace), progress=progress, log_dir=_path(log_dir),
@@ -295,8 +300,9 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
     first_epoch = start.first_epoch
     with Shipment(layers, model, source) as shipment:
         while True:
-            if start.first_epoch >= cfg.training.epochs:
-                done = _already_done(cfg, start, started, restarts, cfg.training.epochs - first_epoch)
+            if start.first_epoch >= cfg.training.epochs_run(cfg.layout.rounds):
+                done = _already_done(cfg, start, started, restarts,
+                                     max(0, cfg.training.epochs_run(cfg.layout.rounds) - first_epoch))
                 if cfg.run.save is not None and int(os.environ.get("RANK", "0")) == 0:
                     _save_done(cfg, done, start, source)
                 return done
@@ -329,7 +335,8 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
         saving.finish(cfg.run.save, {k: v for r in reports for k, v in r.saved.items()}, model, result.model)
         result.saved = cfg.run.save
     written = time.perf_counter()
-    result.started, result.restarts, result.epochs_trained = started, restarts, cfg.training.epochs - first_epoch
+    result.started, result.restarts, result.epochs_trained = started, restarts, \
+        cfg.training.epochs_run(cfg.layout.rounds) - first_epoch
     if not under_torchrun() and result.history:  # the workers share this process's clock
         ready = max(part.ready for part in reports)
         result.phases = {"start_s": ready - launched, "first_update_s": result.history[0]["time"] - ready}

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.batches import collate_parts, per_epoch, to_device
+from pipetrain.batches import collate_parts, to_device
+from pipetrain.streams import head
 from pipetrain.config import RunOptions, Training, shared_cores
 from pipetrain.errors import one_line
 from pipetrain.initialize import InitError
@@ -96,7 +97,8 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     meta = is_meta(t.model)
 
     def first(n: int) -> Any:
-        return to_device(collate_parts(t.dataset, range(min(n, t.items)), (0, 1), t.target_key, t.collate_fn), device)
+        items = head(t.dataset, n)
+        return to_device(collate_parts(items, range(min(n, len(items))), (0, 1), t.target_key, t.collate_fn), device)
 
     batch = first(rows)
     begun = time.perf_counter()
@@ -182,7 +184,7 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     at = measured if m == 1 else as_minibatch(
         measured_profile(t, run, workers, batch_size=t.batch_size // m, ring_cpu=False), m)
     rates = [predict_plan(at, c, link, t.batch_size, schedule,
-                          max(per_epoch(t.items, t.batch_size, math.lcm(*c.replicas)), 1), epoch=True)
+                          max(t.epoch_minibatches(math.lcm(*c.replicas)), 1), epoch=True)
              for c in candidates]
     best = max(range(len(candidates)), key=rates.__getitem__)
     chosen = candidates[best]
@@ -207,7 +209,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
         measured = measured_profile(t, run, workers, ring_cpu=False)
         link = Link(parse_bandwidth(bandwidth or DEFAULT_BANDWIDTH)) if under_torchrun() else Link()
         found = choose_schedule(measured, workers, bandwidth or DEFAULT_BANDWIDTH, t.batch_size, memory=memory,
-                                link=link, minibatches=max(per_epoch(t.items, t.batch_size, 1), 1),
+                                link=link, minibatches=max(t.epoch_minibatches(1), 1),
                                 recompute=True if t.recompute else None)
         spent = {key: measured.meta.get(key, 0.0) for key in ("profile_s", "setup_s")}
         spent["plan_s"] = time.perf_counter() - begun - sum(spent.values())

@@ -18,6 +18,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import TensorDataset, default_collate
 
+from pipetrain.streams import head
+
 TargetKey = str | Sequence[str]
 """The entry of a dictionary item that is the target, or several (the target is then their tuple)."""
 
@@ -59,7 +61,14 @@ def collate_parts(dataset: Any, items: Sequence[int], parts: Sequence[int], targ
         index = torch.as_tensor(list(items), dtype=torch.long)
         return [dataset.tensors[part][index] for part in parts]
     fetch = getattr(dataset, "__getitems__", None)
-    samples = fetch(list(items)) if fetch is not None else [dataset[j] for j in items]
+    return collate_samples(fetch(list(items)) if fetch is not None else [dataset[j] for j in items], parts,
+                           target_key, collate_fn)
+
+
+def collate_samples(samples: list[Any], parts: Sequence[int], target_key: TargetKey = DEFAULT_TARGET_KEY,
+                    collate_fn: Callable[[list[Any]], Any] | None = None) -> list[Any]:
+    """The inputs (part 0) and/or targets (part 1) of a minibatch's fetched items (see
+    :func:`collate_parts`)."""
     if collate_fn is None and not isinstance(samples[0], Mapping):
         return [default_collate([sample[part] for sample in samples]) for part in parts]
     whole = split_batch((collate_fn or default_collate)(samples), target_key)
@@ -86,7 +95,8 @@ def target_keys(target_key: TargetKey) -> tuple[str, ...]:
 def first_inputs(dataset: Any, rows: int, target_key: TargetKey = DEFAULT_TARGET_KEY,
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
     """The model input of the dataset's first ``rows`` items (fewer if it has fewer), collated."""
-    return collate_parts(dataset, range(min(rows, len(dataset))), (0,), target_key, collate_fn)[0]
+    items = head(dataset, rows)
+    return collate_parts(items, range(min(rows, len(items))), (0,), target_key, collate_fn)[0]
 
 
 def call(module: nn.Module, x: Any, weights: dict[str, torch.Tensor] | None = None) -> Any:

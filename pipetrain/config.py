@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -20,8 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, first_inputs, target_keys
-from pipetrain.errors import named, one_line
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, epoch_order, first_inputs, per_epoch
+from pipetrain.errors import named, warn
+from pipetrain.dataset_items import check_items
+from pipetrain.streams import is_stream, known_length
 from pipetrain.layers import LayeredModel, check_boundaries
 from pipetrain.layout import Layout
 from pipetrain.planning import Plan
@@ -60,6 +62,11 @@ class Training:
     target_key: TargetKey = DEFAULT_TARGET_KEY
     collate_fn: Callable[[list[Any]], Any] | None = None
     weights: str | None = None
+    max_steps: int | None = None
+    n_items: int | None = field(init=False, default=None)
+    """Items in the dataset (one pass of a stream); None for a stream of unknown length bounded by
+    ``max_steps``."""
+    n_eval_items: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -81,10 +88,16 @@ class Training:
         if self.collate_fn is not None and not callable(self.collate_fn):
             raise ValueError(f"collate_fn={named(self.collate_fn)} is not callable; pass a function from a list of items "
                              "to a minibatch, as DataLoader(collate_fn=...) takes")
-        n_items = _count_items(self.dataset, "the dataset", keys, self.collate_fn)
-        if n_items < self.batch_size:
+        self._check_steps()
+        n_items = check_items(self.dataset, "the dataset", keys, self.collate_fn,
+                               counted=self.max_steps is None or known_length(self.dataset) is not None)
+        if n_items is not None and n_items < self.batch_size:
             raise ValueError(f"the dataset has {n_items} items, fewer than one minibatch of {self.batch_size}; use a "
                              "smaller batch_size")
+        object.__setattr__(self, "n_items", n_items)
+        if is_stream(self.dataset) and n_items is not None and n_items % self.batch_size:
+            warn(f"the stream's last {n_items % self.batch_size} items do not fill a minibatch of {self.batch_size}; "
+                 "every epoch leaves them out")
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
             raise ValueError(f"lr_scheduler={named(self.lr_scheduler)} is not callable; pass a factory taking the optimizer, "
                              "e.g. functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=100)")
@@ -98,6 +111,16 @@ class Training:
             raise ValueError(f"recompute={self.recompute!r} must be True (keep only each stage's inputs and run the "
                              "forward again before the backward) or False")
         self._check_evaluation()
+
+    def _check_steps(self) -> None:
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
+                                           or self.max_steps < 1):
+            raise ValueError(f"max_steps={named(self.max_steps)}: give the most updates to make, an integer >= 1 "
+                             "(or None: every minibatch of every epoch)")
+        if is_stream(self.dataset) and self.max_steps is not None and known_length(self.dataset) is None \
+                and self.epochs > 1:
+            raise ValueError(f"epochs={self.epochs} with a stream of unknown length bounded by max_steps: the run "
+                             "reads the stream once; give epochs=1, or leave max_steps out to have the stream counted")
 
     def _check_weights(self) -> None:
         """Every tensor the model saves is in ``weights`` with its shape and dtype (a tied one under any of
@@ -126,14 +149,47 @@ class Training:
             if "loss" in self.metrics:
                 raise ValueError("metrics: 'loss' is reported already (loss_fn on eval_dataset); name the metric otherwise")
         if self.eval_dataset is not None:
-            n = _count_items(self.eval_dataset, "eval_dataset", self.target_key, self.collate_fn)
+            n = check_items(self.eval_dataset, "eval_dataset", self.target_key, self.collate_fn)
+            assert n is not None
+            object.__setattr__(self, "n_eval_items", n)
             if n < self.batch_size:
                 raise ValueError(f"eval_dataset has {n} items, fewer than one minibatch of {self.batch_size}; give more "
                                  "items or a smaller batch_size")
 
     @property
-    def items(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+    def stream(self) -> bool:
+        """Whether the dataset is read in order (:mod:`pipetrain.streams`)."""
+        return is_stream(self.dataset)
+
+    def epoch_minibatches(self, rounds: int) -> int:
+        """Minibatches of a whole epoch, in whole rounds of ``rounds`` (a stream of unknown length: as
+        many as ``max_steps`` allows)."""
+        if self.n_items is None:
+            assert self.max_steps is not None
+            return self.max_steps // rounds * rounds
+        return per_epoch(self.n_items, self.batch_size, rounds)
+
+    def order(self, epoch: int, rounds: int) -> list[list[int]]:
+        """Dataset indices (a stream's positions) of each minibatch of ``epoch``: the epoch's whole
+        rounds of minibatches, up to ``max_steps`` in all; empty once ``max_steps`` is reached."""
+        k = self.epoch_minibatches(rounds)
+        if self.max_steps is not None:
+            k = max(0, min(k, (self.max_steps - epoch * self.epoch_minibatches(rounds)) // rounds * rounds))
+        if self.n_items is None:
+            return [list(range(t * self.batch_size, (t + 1) * self.batch_size)) for t in range(k)]
+        return epoch_order(self.n_items, self.batch_size, epoch, self.shuffle and not self.stream, self.seed,
+                           rounds)[:k]
+
+    def epochs_run(self, rounds: int) -> int:
+        """Epochs that make an update: ``epochs``, or fewer where ``max_steps`` ends the run sooner."""
+        if self.max_steps is None:
+            return self.epochs
+        k = self.epoch_minibatches(rounds)
+        return min(self.epochs, -(-(self.max_steps // rounds * rounds) // k)) if k else 0
+
+    def steps(self, rounds: int, first_epoch: int = 0) -> int:
+        """Updates from ``first_epoch`` to the end (the minibatches of those epochs, up to ``max_steps``)."""
+        return sum(len(self.order(epoch, rounds)) for epoch in range(first_epoch, self.epochs))
 
     def without_model(self) -> Training:
         """This training as it travels to a worker: without the model, whose stages travel on their own
@@ -264,9 +320,12 @@ class JobConfig:
             self._check_stages(layers if layers is not None else LayeredModel(t.model, self.example()))
             if self.looped:
                 self._check_looped()
-        if t.items < t.batch_size * layout.rounds:
-            raise ValueError(f"the dataset has {t.items} items, fewer than one round of minibatches "
+        if t.n_items is not None and t.n_items < t.batch_size * layout.rounds:
+            raise ValueError(f"the dataset has {t.n_items} items, fewer than one round of minibatches "
                              f"({t.batch_size * layout.rounds}); use a smaller batch_size")
+        if t.max_steps is not None and t.max_steps < layout.rounds:
+            raise ValueError(f"max_steps={t.max_steps} is fewer than one round of minibatches ({layout.rounds}, one for "
+                             "each replica); give at least that many")
 
     def _check_stages(self, layers: LayeredModel) -> None:
         assert self.layout.boundaries is not None and self.schedule is not None
@@ -371,42 +430,6 @@ class JobConfig:
     def policy_name(self, stage: int) -> str:
         """The weight policy of ``stage``'s workers (:data:`pipetrain.runtime.weights.POLICIES`)."""
         return "live" if self.schedule is None else self.schedule.policy(self.layout, stage)
-
-
-def _count_items(dataset: Dataset, what: str, target_key: TargetKey,
-                 collate_fn: Callable[[list[Any]], Any] | None) -> int:
-    """The item count of a map-style dataset of (input, target) pairs or of dictionaries holding
-    ``target_key`` and at least one input (after ``collate_fn``, which is tried on item 0), or a one-line
-    ValueError."""
-    try:
-        n_items, item = len(dataset), dataset[0]  # type: ignore[arg-type]
-    except Exception as e:  # a dataset raises what it likes; all mean it cannot be used
-        raise ValueError(f"{what} cannot be read ({one_line(e)}); give a map-style dataset "
-                         "(len() and [i]) of (input, target) pairs or of dictionaries") from None
-    if collate_fn is None:
-        sample, where = item, f"{what}'s items"
-    else:
-        try:
-            sample, where = collate_fn([item]), f"the minibatches collate_fn builds from {what}"
-        except Exception as e:  # the user's collate_fn may raise anything
-            raise ValueError(f"collate_fn failed on {what}'s item 0 ({one_line(e)}); give a function from a list of "
-                             "items to a minibatch") from None
-    if not isinstance(sample, Mapping) and (not isinstance(sample, (tuple, list)) or len(sample) != 2):
-        kind = f"a {type(sample).__name__}" + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else "")
-        raise ValueError(f"{where} must be (input, target) pairs or dictionaries, but "
-                         f"{'item 0' if collate_fn is None else 'that of item 0'} is {kind}; make each (input, "
-                         "target) or a dict of the model's keyword inputs and the target")
-    if isinstance(sample, Mapping):
-        keys, has = target_keys(target_key), ", ".join(map(repr, sample))
-        missing = [k for k in keys if k not in sample]
-        if missing:
-            raise ValueError(f"target_key {missing[0]!r} is not in {where} (item 0 has keys {has}); pass "
-                             "target_key= naming the entry that is the target")
-        if all(k in keys for k in sample):
-            raise ValueError(f"{where} hold only the target ({has}); give the model's inputs as the other entries")
-    if n_items < 1:
-        raise ValueError(f"{what} is empty")
-    return n_items
 
 
 def shared_cores(workers: int) -> int:

@@ -100,6 +100,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", default=None, type=chunk_option,
                    help="cgdp: layers per chunk, or auto (default: the run-time search)")
     p.add_argument("--epochs", type=int, default=1, help="passes over the dataset (default 1)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many updates in all (a stream of unknown length: read once up to that)")
     add_optimizer_options(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the shuffling and every worker's random generator")
     p.add_argument("--no-shuffle", action="store_true", help="keep dataset order: minibatch t is items [tB, (t+1)B)")
@@ -159,7 +161,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         clip_grad_norm=args.clip_grad_norm, precision=args.precision, recompute=args.recompute,
         log_dir=args.log_dir, backend=args.backend,
         loader_workers=args.loader_workers, prefetch=args.prefetch, target_key=_target_key(args.target_key),
-        collate_fn=load_object(args.collate_fn) if args.collate_fn else None, weights=args.weights, save=args.save)
+        collate_fn=load_object(args.collate_fn) if args.collate_fn else None, weights=args.weights, save=args.save,
+        max_steps=args.max_steps)
     for r in result.restarts:
         after = f"after epoch {r['resumed_after_epoch']}" if r["resumed_after_epoch"] is not None else "from the start"
         print(f"restarted {after}: {r['error']}")

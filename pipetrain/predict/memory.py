@@ -34,6 +34,7 @@ from torch import nn
 
 from pipetrain import costs
 from pipetrain.batches import call, collate_parts, map_tensors, tensor_bytes
+from pipetrain.streams import head
 from pipetrain.errors import one_line, warn
 from pipetrain.layers import flatten, received, unflatten
 from pipetrain.runtime.parts import meta_copy, modules_of
@@ -110,7 +111,7 @@ def stage_bytes(cfg: JobConfig, layers: LayeredModel | None) -> dict[int, StageB
     t = cfg.training
     rows = t.batch_size // (cfg.world if cfg.data_parallel else cfg.microbatches)
     x, target = (map_tensors(v, lambda a: a.to(META)) for v in
-                 collate_parts(t.dataset, range(rows), (0, 1), t.target_key, t.collate_fn))
+                 collate_parts(head(t.dataset, rows), range(rows), (0, 1), t.target_key, t.collate_fn))
     ranges = [(s, *cfg.layout.layer_range(s, len(layers))) for s in range(cfg.layout.num_stages)] if layers else []
     stages = modules_of(layers, t.model, ranges)
     out = {}

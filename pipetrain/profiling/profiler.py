@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, call, collate_parts, map_tensors, tensor_bytes, tensors_of
+from pipetrain.streams import head
 from pipetrain.layers import LayeredModel
 from pipetrain.profiling.profile import LayerProfile, Profile
 from pipetrain.runtime.parts import Source, layer_stage
@@ -129,6 +130,7 @@ def time_batching(dataset: Any, rows: int, repeats: int = 3, target_key: TargetK
     (:func:`pipetrain.batches.collate_parts`; its first stage builds the inputs, its last the
     targets, a worker that is both builds both). Medians of ``repeats`` runs after one untimed, the
     three interleaved so that each sees the same phases of the machine."""
+    dataset = head(dataset, rows)
     items = range(min(rows, len(dataset)))
     kinds = ((0,), (1,), (0, 1))
     times: list[list[float]] = [[] for _ in kinds]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from pipetrain.batches import epoch_order, per_epoch
+from pipetrain.batches import epoch_order
 from pipetrain.config import JobConfig
 from pipetrain.runtime import checkpoint, multi, saving
 from pipetrain.runtime.dist import init_distributed, wire_device
@@ -158,8 +158,8 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
     runner: Worker | multi.LocalStages = multi.LocalStages(rank, workers, [] if cfg.run.trace else None) \
         if cfg.looped else workers[rank]
     ready = time.perf_counter()
-    k = per_epoch(t.items, t.batch_size, layout.rounds)
-    bar = _progress(cfg, rank, (t.epochs - start.first_epoch) * k)
+    k = t.epoch_minibatches(layout.rounds)
+    bar = _progress(cfg, rank, t.steps(layout.rounds, start.first_epoch))
     # the bar's rank records its own minibatches: every one (data parallel, looped), or 1 in r (one of
     # the r replicas of the output stage)
     per_record = 1 if cfg.data_parallel or cfg.looped else layout.replicas[-1]
@@ -168,7 +168,9 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
     on_step = (lambda rec: bar.set_postfix(loss=f"{rec.loss:.4f}", refresh=False) or bar.update(per_record)) \
         if bar else None
     for epoch in range(start.first_epoch, t.epochs):
-        batches = epoch_order(t.items, t.batch_size, epoch, t.shuffle, t.seed, layout.rounds)
+        batches = t.order(epoch, layout.rounds)
+        if not batches:  # max_steps reached
+            break
         try:
             runner.run_epoch(cfg.schedule_for(epoch, len(batches)), epoch, batches, epoch * k, on_step)
         except NonFiniteLoss as e:
@@ -267,8 +269,7 @@ def _evaluate(cfg: JobConfig, worker: Worker | multi.LocalStages, epoch: int, de
     t = cfg.training
     assert t.eval_dataset is not None
     metrics = t.metrics or {}
-    n_items = len(t.eval_dataset)  # type: ignore[arg-type]
-    batches = epoch_order(n_items, t.batch_size, 0, False, 0, 1)
+    batches = epoch_order(t.n_eval_items, t.batch_size, 0, False, 0, 1)
     schedule = interleaved.evaluation(cfg.world, cfg.layout.num_stages, len(batches), cfg.microbatches) \
         if cfg.looped else evaluation(cfg.layout.replicas, len(batches), cfg.data_parallel, cfg.microbatches)
     sums = torch.tensor(worker.evaluate(schedule, batches, metrics), dtype=torch.float64,

@@ -1,5 +1,5 @@
-"""Where a worker's minibatches come from: built inline by its compute thread, or ahead of time by
-background loader processes.
+"""Where a worker's minibatches come from: built inline by its compute thread, or ahead of time by the
+worker processes of a ``torch.utils.data.DataLoader``.
 
 [Note: item seeds] Every item is fetched with torch's CPU generator and Python's ``random`` seeded
 from (the job's seed, the epoch, whether it is evaluation, the item's index), and the worker's own
@@ -7,26 +7,28 @@ random state is put back afterwards. So a dataset's random transform draws the s
 item whichever process fetches it (the worker itself, or any of its loaders), and fetching never
 moves the stream that dropout and the like draw from: ``loader_workers=0`` and ``loader_workers=N``
 train bitwise alike. A dataset with ``__getitems__`` is fetched in one call per minibatch, seeded
-from its first item.
+from its first item. A stream (:mod:`pipetrain.streams`) is read from its start each pass, every
+item drawn with the seed of its position, so every process reading it sees the same items.
 """
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import random
 import signal
-from collections import deque
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
 import torch
-import torch.multiprocessing as tmp
-from torch.utils.data import TensorDataset
+from torch.utils.data._utils import signal_handling
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, get_worker_info
 
-from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, collate_parts, map_tensors
+from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, collate_parts, collate_samples
 from pipetrain.errors import one_line
 from pipetrain.runtime.launch import LOADER_DIED, die_with_parent
+from pipetrain.streams import is_stream, passes
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class Task:
 
 
 class LoadError(RuntimeError):
-    """Building a minibatch failed (the dataset raised, or a loader died or hung); the worker names itself."""
+    """Building a minibatch failed (the dataset raised, a stream ended early, or a loader died or hung);
+    the worker names itself."""
 
 
 class ItemFailed(Exception):
@@ -72,6 +75,36 @@ def build(recipe: Recipe, task: Task) -> list[Any]:
     with _own_rng():
         return collate_parts(_Seeded(dataset, recipe.seed, task.epoch, task.eval), task.items, task.parts,
                              recipe.target_key, recipe.collate_fn)
+
+
+def read(recipe: Recipe, tasks: Sequence[Task]) -> Iterator[tuple[int, list[Any]]]:
+    """A stream's minibatches for ``tasks`` (of one pass, in increasing positions), in order: the stream
+    is read from its start once, each item drawn with its position's seed (see [Note: item seeds]),
+    and the items no task takes are passed over."""
+    if not tasks:
+        return
+    first = tasks[0]
+    stream = recipe.eval_dataset if first.eval else recipe.dataset
+    items, at = passes(stream, first.epoch), 0
+    for task in tasks:
+        with _own_rng():
+            samples = []
+            for j in task.items:
+                assert j >= at, "a stream's minibatches are read in order"
+                while at <= j:
+                    _seed(item_seed(recipe.seed, first.epoch, first.eval, at))
+                    try:
+                        item = next(items)
+                    except StopIteration:
+                        raise LoadError(f"the stream ended after {at} items, but minibatch {task.mb} needs item {j}: "
+                                        "a stream must yield the same items on every pass and in every process "
+                                        "(its len(), or the count taken before training, said more)") from None
+                    except Exception as e:  # the user's stream may raise anything
+                        raise ItemFailed(at, one_line(e)) from e
+                    at += 1
+                samples.append(item)
+            parts = collate_samples(samples, task.parts, recipe.target_key, recipe.collate_fn)
+        yield task.mb, parts
 
 
 def item_seed(seed: int, epoch: int, evaluating: bool, item: int) -> int:
@@ -139,14 +172,20 @@ class Inline:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self._tasks: dict[int, Task] = {}
+        self._stream: Iterator[tuple[int, list[Any]]] | None = None
 
     def begin(self, tasks: list[Task]) -> None:
         self._tasks = {task.mb: task for task in tasks}
+        self._stream = read(self.recipe, tasks) if tasks and _streamed(self.recipe, tasks[0]) else None
 
     def get(self, mb: int) -> list[Any]:
         task = self._tasks.pop(mb)
         try:
-            return build(self.recipe, task)
+            if self._stream is None:
+                return build(self.recipe, task)
+            got, values = next(self._stream)
+            assert got == mb, "a stream's minibatches are asked for in order"
+            return values
         except ItemFailed as e:
             raise LoadError(f"the dataset failed on {_where(e.item, task.items)} of minibatch {mb}: "
                             f"{e.error}") from None
@@ -155,94 +194,163 @@ class Inline:
         pass
 
 
-class Loaders:
-    """``n`` background processes that build a worker's minibatches ahead, ``prefetch`` per loader.
 
-    Loaders are forked from the worker (the dataset is inherited, not pickled), are daemons, and are
-    killed when the worker dies (Linux's parent-death signal; elsewhere they end when their pipe
-    closes). Results come back through a pipe per loader as shared-memory tensors, pinned when the
-    worker trains on a GPU. A loader that dies, or builds nothing for ``timeout`` seconds, fails the
-    worker; a death counts as the worker's (``max_restarts`` restarts the job).
+
+def _streamed(recipe: Recipe, task: Task) -> bool:
+    return is_stream(recipe.eval_dataset if task.eval else recipe.dataset)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """What a loader hands back instead of a minibatch it could not build (an exception raised in a
+    DataLoader worker would come back as its traceback, not as one line)."""
+
+    loader: int
+    item: int | None
+    error: str
+
+
+POLL_S = 2.0
+"""How often a worker waiting for a minibatch checks that its loaders are alive."""
+
+
+class Loaders:
+    """A ``torch.utils.data.DataLoader`` whose ``n`` worker processes build this worker's minibatches
+    ahead, ``prefetch`` each, in the order the worker needs them.
+
+    A map-style dataset's loader is persistent: its sampler yields the worker's tasks (its shard, the
+    first stage's inputs, the last stage's targets) pass after pass, and each loader builds what it is
+    given. A stream's loaders start for each pass: loader k reads the stream and builds every n-th of the
+    worker's minibatches (a stream cannot be entered in the middle), and the DataLoader hands them back
+    in turn, which is the worker's order. Loaders are forked (the dataset is inherited, not pickled) and
+    pin on a GPU worker. A loader's death is the worker's (``max_restarts`` restarts the job); a loader
+    that builds nothing for ``timeout`` seconds fails the worker.
     """
 
     def __init__(self, recipe: Recipe, n: int, prefetch: int, timeout: float, pin: bool = False) -> None:
-        ctx = tmp.get_context("fork")
-        self.timeout, self.pin, self.limit = timeout, pin, n * prefetch
-        self.procs, self.conns = [], []
-        for k in range(n):
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(recipe, theirs), daemon=True, name=f"pipetrain-loader-{k}")
-            p.start()
-            theirs.close()
-            self.procs.append(p)
-            self.conns.append(mine)
-        self._todo: deque[Task] = deque()
-        self._given: dict[int, tuple[int, Task]] = {}  # mb -> the loader building it, the task
-        self._ready: dict[int, list[Any]] = {}
+        self.recipe, self.n, self.timeout = recipe, n, timeout
+        self._options: dict[str, Any] = dict(batch_size=None, collate_fn=_as_built, num_workers=n, prefetch_factor=prefetch,
+                             pin_memory=pin, worker_init_fn=_start_loader, timeout=POLL_S,
+                             multiprocessing_context="fork", generator=torch.Generator())
+        # its own generator: each pass draws the loaders' base seed, which would move the worker's own
+        # (dropout's) random stream
+        # a loader's death is found by polling in get (below), not by torch's SIGCHLD handler, which
+        # raises in whatever this process is running then: a backward, a send
+        signal_handling._SIGCHLD_handler_set = True
+        self._feed = _Feed()
+        self._persistent = DataLoader(_Minibatches(recipe), sampler=self._feed, persistent_workers=True,
+                                      **self._options)  # type: ignore[arg-type]
+        self._batches: Iterator[Any] | None = None
 
     def begin(self, tasks: list[Task]) -> None:
-        assert not self._given and not self._ready, "a plan began before the previous one was used up"
-        self._todo = deque(tasks)
-        self._fill()
-
-    def _fill(self) -> None:
-        while self._todo and len(self._given) + len(self._ready) < self.limit:
-            task = self._todo.popleft()
-            load = [sum(1 for k, _ in self._given.values() if k == j) for j in range(len(self.procs))]
-            k = load.index(min(load))
-            self.conns[k].send(task)
-            self._given[task.mb] = (k, task)
+        if not tasks:
+            self._batches = None
+        elif _streamed(self.recipe, tasks[0]):
+            shares = _StreamShares(self.recipe, tasks, self.n)
+            self._batches = iter(DataLoader(shares, **{**self._options, "num_workers": min(self.n, len(tasks))}))
+        else:
+            self._feed.tasks = tasks
+            self._batches = iter(self._persistent)
 
     def get(self, mb: int) -> list[Any]:
-        while mb not in self._ready:
-            k, _ = self._given[mb]
-            conn, proc = self.conns[k], self.procs[k]
-            if not wait([conn, proc.sentinel], self.timeout):
-                raise LoadError(f"loader {k} built nothing for {self.timeout:g}s while building minibatch {mb} "
-                                "(a dataset item that never returns?)")
+        assert self._batches is not None, "a minibatch was asked for before the pass began"
+        began = time.monotonic()
+        while True:
             try:
-                if not conn.poll():  # only the sentinel: the process ended
-                    raise EOFError
-                got, values, error = conn.recv()
-            except (EOFError, OSError):
-                proc.join(1)
-                code = proc.exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
-                raise LoadError(f"{LOADER_DIED}: loader {k} ({how}) while building minibatch {mb}") from None
-            _, done = self._given.pop(got)
-            if error is not None:
-                raise LoadError(f"loader {k} failed on {_where(error[0], done.items)} of minibatch {got}: {error[1]}")
-            self._ready[got] = map_tensors(values, torch.Tensor.pin_memory) if self.pin else values
-        values = self._ready.pop(mb)
-        self._fill()
+                got = next(self._batches)
+                break
+            except (RuntimeError, OSError, EOFError) as e:  # a loader ended (reported by the DataLoader, or
+                # a minibatch's shared memory lost with it), or nothing came in a poll
+                dead = _dead(self._batches)
+                if dead or "timed out" not in str(e):
+                    raise LoadError(f"{LOADER_DIED}: {dead or one_line(e)} while building minibatch {mb}") from None
+                if time.monotonic() - began > self.timeout:
+                    raise LoadError(f"a loader built nothing for {self.timeout:g}s while building minibatch {mb} "
+                                    "(a dataset item that never returns?)") from None
+        if isinstance(got, _Failed):
+            raise LoadError(f"loader {got.loader} failed on {_where(got.item, [got.item or 0])} of minibatch {mb}: "
+                            f"{got.error}")
+        done, values = got
+        assert done == mb, "minibatches are asked for in the order they were planned"
         return values
 
     def close(self) -> None:
-        """Stop the loaders (each ends after its current minibatch; one that does not is killed)."""
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-        for p in self.procs:
-            p.join(1)
-            if p.exitcode is None:
-                p.kill()
-                p.join(1)
+        """Stop the loaders."""
+        self._batches = None
+        running = self._persistent._iterator
+        if running is not None:
+            running._shutdown_workers()  # type: ignore[attr-defined]
+        self._persistent._iterator = None
 
 
-def _serve(recipe: Recipe, conn: Connection) -> None:
-    """A loader: build each task the worker sends, send back (mb, parts, None) or (mb, None, (item, error))."""
-    die_with_parent()
-    torch.set_num_threads(1)
-    while True:
+class _Feed(Sampler[Task]):
+    """The sampler of a persistent DataLoader: the tasks of the pass that began last."""
+
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(list(self.tasks))
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+class _Minibatches(Dataset):
+    """A map-style dataset whose index is a task and whose item is its built minibatch (or :class:`_Failed`)."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+
+    def __getitem__(self, task: Task) -> tuple[int, list[Any]] | _Failed:
         try:
-            task = conn.recv()
-        except EOFError:  # the worker is gone
-            return
-        if task is None:
-            return
-        try:
-            conn.send((task.mb, build(recipe, task), None))
+            return task.mb, build(self.recipe, task)
         except ItemFailed as e:
-            conn.send((task.mb, None, (e.item, e.error)))
+            return _Failed(_loader_id(), e.item if e.item is not None else task.items[0], e.error)
         except Exception as e:  # collating the user's items may raise anything
-            conn.send((task.mb, None, (None, one_line(e))))
+            return _Failed(_loader_id(), None, one_line(e))
+
+
+class _StreamShares(IterableDataset):
+    """A stream's minibatches for ``tasks``, loader k of ``n`` building tasks k, k+n, ... (:func:`read`)."""
+
+    def __init__(self, recipe: Recipe, tasks: list[Task], n: int) -> None:
+        self.recipe, self.tasks, self.n = recipe, tasks, n
+
+    def __iter__(self) -> Iterator[tuple[int, list[Any]] | _Failed]:
+        k = _loader_id()
+        try:
+            yield from read(self.recipe, self.tasks[k::min(self.n, len(self.tasks))])
+        except ItemFailed as e:
+            yield _Failed(k, e.item, e.error)
+        except LoadError as e:
+            yield _Failed(k, None, str(e))
+        except Exception as e:  # collating the user's items may raise anything
+            yield _Failed(k, None, one_line(e))
+
+
+def _dead(batches: Any) -> str:
+    """Which of a DataLoader iterator's loaders ended and how, e.g. ``loader 1 (killed by SIGKILL)``."""
+    dead = []
+    for k, proc in enumerate(getattr(batches, "_workers", [])):
+        proc.join(0.5)  # the SIGCHLD that reported it may come before the process is reaped
+        code = proc.exitcode
+        if code is not None:
+            dead.append(f"loader {k} ({f'killed by {signal.Signals(-code).name}' if code < 0 else f'exit code {code}'})")
+    return ", ".join(dead)
+
+
+def _loader_id() -> int:
+    info = get_worker_info()
+    return info.id if info is not None else 0
+
+
+def _as_built(value: Any) -> Any:
+    """A DataLoader's collate_fn that keeps what a loader built."""
+    return value
+
+
+def _start_loader(k: int) -> None:
+    """A loader begins: named for errors and tests, and killed with its worker."""
+    multiprocessing.current_process().name = f"pipetrain-loader-{k}"
+    die_with_parent()

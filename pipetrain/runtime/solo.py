@@ -27,7 +27,8 @@ from pipetrain.layers import LayeredModel, flatten, received, unflatten
 from pipetrain.runtime.job import JobConfig, build_worker, prepare_process
 from pipetrain.runtime.parts import Source, build, local_parts
 from pipetrain.runtime.transport import Message
-from pipetrain.batches import call, collate_parts, epoch_order, microbatch, per_epoch, to_device
+from pipetrain.batches import call, collate_parts, microbatch, to_device
+from pipetrain.streams import head
 from pipetrain.timing import torch_threads
 from pipetrain.schedule import Schedule
 from pipetrain.schedule.actions import FORWARD, SYNC, UPDATE
@@ -70,8 +71,8 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
     if not 0 <= stage < layout.num_stages or not 0 <= replica < layout.replicas[stage]:
         raise ValueError(f"stage {stage} replica {replica} is not in this job (workers per stage: "
                          f"{list(layout.replicas)})")
-    n_items, rounds = t.items, layout.rounds
-    whole = per_epoch(n_items, t.batch_size, rounds)
+    rounds, order = layout.rounds, t.order(0, layout.rounds)
+    whole = len(order)
     minibatches = whole if minibatches is None else minibatches
     if not 1 <= minibatches <= whole or minibatches % rounds:
         raise ValueError(f"minibatches={minibatches}: give a multiple of {rounds} from {rounds} to "
@@ -81,7 +82,7 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
                   run=replace(cfg.run, trace=True, resume=False, max_restarts=0, checkpoint_dir=None, progress=False),
                   layers=None)
     rank = layout.first_rank(stage) + replica
-    batches = epoch_order(n_items, t.batch_size, 0, t.shuffle, t.seed, rounds)[:minibatches]
+    batches = order[:minibatches]
     schedule = job.schedule_for(0, minibatches)
     # prepare_process sets the job's thread count; this process gets its own back after
     with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), torch_threads(None):
@@ -157,7 +158,8 @@ def _cut_tensors(cfg: JobConfig, stage: int, items: list[int], m: int,
         micro = 0 if m > 1 else None
         t = cfg.training
         x, target = (microbatch(to_device(value, device), micro, m)
-                     for value in collate_parts(t.dataset, items, (0, 1), t.target_key, t.collate_fn))
+                     for value in collate_parts(head(t.dataset, max(items) + 1), items, (0, 1), t.target_key,
+                                                t.collate_fn))
         parts = list(LayeredModel(model, x).stages(list(cfg.layout.boundaries)))
         with torch.no_grad():
             for part in parts[:stage]:
