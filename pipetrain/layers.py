@@ -11,7 +11,8 @@ Two ways in:
   on an example minibatch (for that minibatch's shapes), and its graph's nodes
   (ATen operators) are the layers, as with fx. Parameters and buffers stay the model's own objects, read
   where they are used. What the model returns (a dict, a ``ModelOutput``) is rebuilt from the graph's
-  flat outputs by the last stage, so ``loss_fn`` gets it as the model returns it.
+  flat outputs by the last stage, so ``loss_fn`` gets it as the model returns it. A Hugging Face
+  model's key/value cache is off while it is captured: training reads none (:func:`_without_cache`).
 
 Every layer of a graph also has a module path (``transformer.h.2.attn``: the submodule whose forward made
 it), so stages can begin at a named submodule (:func:`split_points`).
@@ -31,8 +32,10 @@ layer uses crosses the cuts like any other value. Later stages take what crosses
 from __future__ import annotations
 
 import bisect
+import contextlib
 import inspect
 import operator
+import os
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -302,18 +305,52 @@ def _capture(model: nn.Module, example: Any) -> tuple[fx.GraphModule, str]:
     try:
         model.train()  # captured with dropout on; the stages' own train()/eval() switch it (_follow_mode)
         args, kwargs = ((), plain) if keywords else ((example,), None)
-        exported = torch.export.export(model, args, kwargs, strict=False).module()
+        with _without_cache(model) as uncached:
+            exported = torch.export.export(model, args, kwargs, strict=False).module()
     except Exception as e:  # export raises many types too
+        hint = "pass the model with config.use_cache=False (its forward returns a key/value cache), " \
+            if "cache_utils" in str(e) else ""  # a transformers cache object in the output
         raise LayerError(f"cannot split {name}: torch.fx cannot trace it ({fx_error}) and torch.export cannot "
-                         f"capture it ({one_line(e, 300)}); pass an nn.Sequential whose children are the layers, "
-                         "or train it with a data-parallel strategy (ddp, pipe-sgd), which take any module") from None
+                         f"capture it ({one_line(e, 300)}); {hint}pass an nn.Sequential whose children are the "
+                         "layers, or train it with a data-parallel strategy (ddp, pipe-sgd), which take any "
+                         "module") from None
     finally:
         model.train(was_training)
+    if uncached:
+        _tell_once(model, f"captured {name} with config.use_cache=False: training reads no key/value cache (the "
+                          "model's own config is left as it was)")
     assert isinstance(exported, fx.GraphModule)
     _follow_mode(exported.graph)
     setattr(exported, _OUT_SPEC, exported._out_spec)
     _EXPORTED[model] = (key, exported)
     return exported, "export"
+
+
+@contextlib.contextmanager
+def _without_cache(model: nn.Module) -> Iterator[bool]:
+    """Turn off a Hugging Face model's key/value cache while it is captured (yields whether it was on):
+    with it on, the forward also returns a cache object, which is no tensor, and a training step never
+    reads it. The graph keeps no reference to the config, so the flag goes back at once."""
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield False
+        return
+    config.use_cache = False
+    try:
+        yield True
+    finally:
+        config.use_cache = True
+
+
+_TOLD: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models already told about, so a job's checks, plan and profile print a note once."""
+
+
+def _tell_once(model: nn.Module, note: str) -> None:
+    """Print ``note`` once per model, on rank 0 only, as pipetrain's other notes are printed."""
+    if model not in _TOLD and os.environ.get("RANK", "0") == "0":
+        print(f"pipetrain: {note}", flush=True)
+    _TOLD.add(model)
 
 
 def _follow_mode(graph: fx.Graph) -> None:
