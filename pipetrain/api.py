@@ -23,8 +23,8 @@ from pipetrain.planning.units import parse_bytes
 from pipetrain.predict.memory import predict_memory
 from pipetrain.registry import DEFAULT_SCHEDULE, Auto, PipelineSchedule, Strategy, as_schedule, as_strategy
 from pipetrain.result import TrainResult, gather, write_trace
-from pipetrain.runtime import checkpoint, saving
-from pipetrain.runtime.job import Start, metrics_log, run_rank
+from pipetrain.runtime import checkpoint, logs, saving
+from pipetrain.runtime.job import Start, run_rank
 from pipetrain.runtime.dist import check_backend, local_workers
 from pipetrain.runtime.launch import spawn, under_torchrun
 from pipetrain.runtime.outcome import RankResult
@@ -135,8 +135,12 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             (run without gradients, its output sent on) and its backward, which first runs the forward
             again with the same weights and random state; results are exactly those without it, for an
             extra forward per microbatch (``result.stashed_bytes`` reports what is kept).
-        log_dir: write ``metrics.jsonl`` there: one JSON line per update (``"kind": "update"``) and per
-            evaluation (``"kind": "eval"``); ``pipetrain plot DIR`` draws it.
+        log_dir: write ``metrics.jsonl`` there: one JSON line per update (``"kind": "update"``, its
+            ``time`` in wall-clock seconds since this call began) and per evaluation (``"kind": "eval"``);
+            ``pipetrain plot DIR`` draws it. With tensorboard installed (``pipetrain[tensorboard]``),
+            TensorBoard files too (``tensorboard --logdir DIR``): ``train/loss``, ``train/lr``,
+            ``train/samples_per_s`` per update, ``eval/loss`` and ``eval/METRIC`` per epoch, and each
+            rank's memory peaks (``memory/...``) at the end.
         target_key: with dictionary items, the entry handed to ``loss_fn`` as the target (default
             ``"labels"``); a tuple of keys hands it the tuple of those entries, in order.
         collate_fn: builds a minibatch from a list of items, as ``DataLoader(collate_fn=...)`` does
@@ -290,12 +294,14 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
         return cfg.stages_of(rank, len(layers)) if layers is not None else []
 
     name = cfg.worker_name
-    start = Start(restarted, _kept_epoch(cfg) if cfg.run.resume else None)
+    speaks = int(os.environ.get("RANK", "0")) == 0  # the one process that warns and writes for the run
+    board = cfg.run.log_dir is not None and logs.board_check(warn_missing=speaks)
+    start = Start(restarted, _kept_epoch(cfg) if cfg.run.resume else None, began=started, board=board)
     if cfg.run.resume and start.resume_from is None:
         warn(f"resume=True but {cfg.run.checkpoint_dir} holds no complete checkpoint of this job; starting from "
              "epoch 0")
-    if cfg.run.log_dir and start.resume_from is None and not restarted and int(os.environ.get("RANK", "0")) == 0:
-        metrics_log(cfg.run.log_dir).unlink(missing_ok=True)  # a new run's log; a resumed one goes on
+    if cfg.run.log_dir and start.resume_from is None and not restarted and speaks:
+        logs.start_fresh(cfg.run.log_dir)  # a new run's logs; a resumed one goes on
     restarts: list[dict[str, Any]] = []
     first_epoch = start.first_epoch
     with Shipment(layers, model, source) as shipment:
@@ -328,9 +334,11 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
                 warn(f"{e}; restarting every worker after epoch {kept} ({len(restarts)} of {cfg.run.max_restarts} "
                      "restarts)" if kept is not None else f"{e}; restarting every worker from the start "
                      f"({len(restarts)} of {cfg.run.max_restarts} restarts)")
-                start = Start(start.attempt + 1, kept)
+                start = replace(start, attempt=start.attempt + 1, resume_from=kept)
     reports = [RankResult(**part) for part in parts]
     result = gather(model if cfg.gathers else None, reports, name, since_epoch=first_epoch)
+    if board and speaks and cfg.run.log_dir is not None:
+        logs.write_memory(cfg.run.log_dir, reports, max((h["step"] for h in result.history), default=0))
     if cfg.run.save is not None and int(os.environ.get("RANK", "0")) == 0:
         saving.finish(cfg.run.save, {k: v for r in reports for k, v in r.saved.items()}, model, result.model)
         result.saved = cfg.run.save

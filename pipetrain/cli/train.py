@@ -134,8 +134,9 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loader-workers", type=int, default=0,
                    help="background processes per worker building its next minibatches while it computes (0: inline)")
     p.add_argument("--prefetch", type=int, default=2, help="with --loader-workers: minibatches each loader keeps ready")
-    p.add_argument("--log-dir", default=None, help="write DIR/metrics.jsonl (one line per update and evaluation); "
-                                                   "`pipetrain plot DIR` draws it")
+    p.add_argument("--log-dir", default=None, help="write DIR/metrics.jsonl (one line per update and evaluation; "
+                                                   "`pipetrain plot DIR` draws it) and TensorBoard files "
+                                                   "(`tensorboard --logdir DIR`; needs pipetrain[tensorboard])")
 
 
 def _target_key(option: str) -> str | tuple[str, ...]:

@@ -29,13 +29,14 @@ from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.tied import edges as tied_edges
 from pipetrain.runtime.loader import Inline, Loaders, Recipe
+from pipetrain.runtime.logs import MetricsLog
 from pipetrain.runtime.parts import Part, Source, build
 from pipetrain.runtime.restore import load_named, named_state, optimized_names, restore
 from pipetrain.runtime.outcome import RankResult
 from pipetrain.runtime.resident import peak_resident
 from pipetrain.runtime.transport import Channel, Transport
 from pipetrain.runtime.weights import POLICIES
-from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker, append_json
+from pipetrain.runtime.worker import NonFiniteLoss, StepRecord, Worker
 from pipetrain.schedule import evaluation, interleaved
 from pipetrain.strategies.base import GradSync, SyncContext
 
@@ -47,10 +48,14 @@ class Start:
     Attributes:
         attempt: how many times the job was restarted before this launch (0 at first).
         resume_from: the epoch every worker resumes after (from its checkpoint), or None: from scratch.
+        began: ``time.perf_counter()`` when the run began: the metrics log's times count from it.
+        board: ``log_dir`` gets TensorBoard files too (the caller found tensorboard installed).
     """
 
     attempt: int = 0
     resume_from: int | None = None
+    began: float = 0.0
+    board: bool = False
 
     @property
     def first_epoch(self) -> int:
@@ -121,11 +126,20 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
                     name=layout.name(rank), attempt=start.attempt,
                     log=_history_log(rank) if reporter else None, scheduler=scheduler,
                     clip_grad_norm=t.clip_grad_norm, precision=t.precision, recompute=t.recompute,
-                    metrics_log=metrics_log(cfg.run.log_dir) if cfg.run.log_dir and reporter else None, tied=tied,
+                    metrics_log=_metrics_log(cfg, rank, start) if cfg.run.log_dir and reporter else None, tied=tied,
                     fixed_shapes=not cfg.data_parallel)
     worker.history = [StepRecord(**h) for h in history]
     worker.footprint.samples = [] if cfg.run.trace else None
     return worker
+
+
+def _metrics_log(cfg: JobConfig, rank: int, start: Start) -> MetricsLog:
+    """A reporter's side of ``log_dir``; the first reporter alone writes TensorBoard's curves."""
+    assert cfg.run.log_dir is not None
+    first_step = start.first_epoch * per_epoch(cfg.training.items, cfg.training.batch_size, cfg.layout.rounds) + 1
+    again = start.resume_from is not None or start.attempt > 0
+    return MetricsLog(cfg.run.log_dir, start.began, start.board and rank == cfg.layout.first_reporter,
+                      first_step if again else None)
 
 
 def _recipe(cfg: JobConfig) -> Recipe:
@@ -191,6 +205,8 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
         bar.close()
     for worker in workers.values():
         worker.source.close()
+        if worker.metrics_log is not None:
+            worker.metrics_log.close()
     if sync:
         sync.close()
     transport.close()
@@ -277,19 +293,13 @@ def _evaluate(cfg: JobConfig, worker: Worker | multi.LocalStages, epoch: int, de
     dist.all_reduce(sums)  # the output stage's sums (every data-parallel worker's shards) reach every rank
     means = (sums[:-1] / sums[-1]).tolist()
     scores = dict(zip(["loss", *metrics], means))
-    for record in worker.history[::-1]:  # the replica of the output stage that made the epoch's last update
-        if record.step == step:
-            record.eval = scores
-            if worker.metrics_log is not None:
-                append_json(worker.metrics_log, {"kind": "eval", "epoch": epoch, "step": step, **scores})
-            break
+    # the replica of the output stage that made the epoch's last update
+    made = next((record for record in worker.history[::-1] if record.step == step), None)
+    if made is not None:
+        made.eval = scores
+    if worker.metrics_log is not None:
+        worker.metrics_log.evaluation(epoch, step, scores, jsonl=made is not None)
     return scores
-
-
-def metrics_log(log_dir: str | os.PathLike) -> Path:
-    """The metrics log a job writes in ``log_dir``: JSON lines, ``{"kind": "update", ...}`` per update
-    (a :class:`StepRecord`), ``{"kind": "eval", "epoch", "step", "loss", METRIC...}`` per evaluation."""
-    return Path(log_dir) / "metrics.jsonl"
 
 
 def _mean_losses(records: list[StepRecord], world: int, device: torch.device) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import replace
 from typing import Any
 
+from pipetrain.runtime.logs import MetricsLog
 from pipetrain.runtime.transport import Message, Transport
 from pipetrain.runtime.worker import StepRecord, Worker
 from pipetrain.schedule import Action, Schedule
@@ -70,7 +70,7 @@ class LocalStages:
         return [record for worker in self.workers.values() for record in worker.history]
 
     @property
-    def metrics_log(self) -> Path | None:
+    def metrics_log(self) -> MetricsLog | None:
         """The output stage's metrics log, if this process holds that stage and the job keeps one."""
         return next((w.metrics_log for w in self.workers.values() if w.metrics_log is not None), None)
 

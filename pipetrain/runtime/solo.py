@@ -79,7 +79,8 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
                          f"{whole} (an epoch of this dataset)")
     where = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     job = replace(cfg, training=replace(t, model=copy.deepcopy(t.model)),
-                  run=replace(cfg.run, trace=True, resume=False, max_restarts=0, checkpoint_dir=None, progress=False),
+                  run=replace(cfg.run, trace=True, resume=False, max_restarts=0, checkpoint_dir=None, progress=False,
+                              log_dir=None),
                   layers=None)
     rank = layout.first_rank(stage) + replica
     batches = order[:minibatches]

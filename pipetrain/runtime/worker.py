@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from pipetrain.runtime.footprint import Footprint, saved
 from pipetrain.runtime.recompute import Replay
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.loader import LoadError, Source, Task
+from pipetrain.runtime.logs import MetricsLog, append_json
 from pipetrain.runtime.split_backward import WeightBackward, input_backward
 from pipetrain.runtime.transport import Channel, Message
 from pipetrain.runtime.weights import Live
@@ -90,7 +90,7 @@ class Worker:
         clip_grad_norm: before every update, scale this worker's gradients (its stage's, after any
             sync) down to this norm at most; None leaves them.
         precision: ``"bf16"`` runs forwards and the loss under autocast to bfloat16.
-        metrics_log: the user's metrics log (JSON lines, ``log_dir``), or None.
+        metrics_log: where it logs updates in the user's ``log_dir`` (:mod:`pipetrain.runtime.logs`), or None.
         tied: the stage's copies of parameters other stages also read, or None.
         fixed_shapes: every minibatch must have the first one's shapes (a pipeline's stages are made for
             them); data parallelism takes any.
@@ -117,7 +117,7 @@ class Worker:
     scheduler: Any = None
     clip_grad_norm: float | None = None
     precision: str = "fp32"
-    metrics_log: Path | None = None
+    metrics_log: MetricsLog | None = None
     tied: TiedCopies | None = None
     fixed_shapes: bool = True
     recompute: bool = False
@@ -473,14 +473,8 @@ class Worker:
             if self.log is not None:
                 append_json(self.log, asdict(record))
             if self.metrics_log is not None:
-                append_json(self.metrics_log, {"kind": "update", **asdict(record)})
+                self.metrics_log.update(asdict(record))
             self._last_step_t = now
-
-
-def append_json(path: Path, record: dict[str, Any]) -> None:
-    """Append ``record`` to a JSON-lines file."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def _describe(value: Any) -> str:
