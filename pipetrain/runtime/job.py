@@ -136,7 +136,7 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
 def _metrics_log(cfg: JobConfig, rank: int, start: Start) -> MetricsLog:
     """A reporter's side of ``log_dir``; the first reporter alone writes TensorBoard's curves."""
     assert cfg.run.log_dir is not None
-    first_step = start.first_epoch * per_epoch(cfg.training.items, cfg.training.batch_size, cfg.layout.rounds) + 1
+    first_step = start.first_epoch * cfg.training.epoch_minibatches(cfg.layout.rounds) + 1
     again = start.resume_from is not None or start.attempt > 0
     return MetricsLog(cfg.run.log_dir, start.began, start.board and rank == cfg.layout.first_reporter,
                       first_step if again else None)
