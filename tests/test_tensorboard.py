@@ -128,12 +128,12 @@ def test_without_tensorboard_a_run_warns_once_and_writes_the_json_lines(tmp_path
 
 def test_the_metrics_log_writes_json_lines_without_tensorboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     without_tensorboard(monkeypatch)
-    log = MetricsLog(tmp_path, began=100.0, board=True)
+    log = MetricsLog(tmp_path, began=100.0, board=True, total_steps=4)
     log.update({"step": 1, "loss": 0.5, "lr": 0.1, "samples_per_s": 8.0, "time": 102.5})
     log.evaluation(0, 1, {"loss": 0.25}, jsonl=True)
     log.close()
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
-        {"kind": "update", "step": 1, "loss": 0.5, "lr": 0.1, "samples_per_s": 8.0, "time": 2.5},
+        {"kind": "update", "step": 1, "loss": 0.5, "lr": 0.1, "samples_per_s": 8.0, "time": 2.5, "total_steps": 4},
         {"kind": "eval", "epoch": 0, "step": 1, "loss": 0.25}]
     assert not list(tmp_path.glob("events.out.tfevents.*"))
 

@@ -139,7 +139,7 @@ def _metrics_log(cfg: JobConfig, rank: int, start: Start) -> MetricsLog:
     first_step = start.first_epoch * cfg.training.epoch_minibatches(cfg.layout.rounds) + 1
     again = start.resume_from is not None or start.attempt > 0
     return MetricsLog(cfg.run.log_dir, start.began, start.board and rank == cfg.layout.first_reporter,
-                      first_step if again else None)
+                      first_step if again else None, cfg.training.steps(cfg.layout.rounds), cfg.data_parallel)
 
 
 def _recipe(cfg: JobConfig) -> Recipe:
@@ -194,6 +194,8 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
             raise NonFiniteLoss(f"{e}; training stopped, {where}; lower the learning rate") from None
         if cfg.data_parallel:
             _mean_losses(runner.history[-len(batches):], world, device)
+            if runner.metrics_log is not None:
+                runner.metrics_log.updates([asdict(r) for r in runner.history[-len(batches):]])
             agree_buffers(modules[rank], world)
         if t.eval_dataset is not None:
             scores = _evaluate(cfg, runner, epoch, device, (epoch + 1) * k)

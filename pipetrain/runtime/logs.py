@@ -72,8 +72,8 @@ def _writer_class() -> Any:
 class MetricsLog:
     """The output stage's side of ``log_dir``: every update and evaluation to ``metrics.jsonl`` and,
     where ``board`` (one writer per job, so replicas of the output stage do not interleave steps in
-    one curve), to TensorBoard. Under data parallelism an update's loss is worker 0's shard's (the
-    history's, the mean over the shards, is known once the epoch ends).
+    one curve), to TensorBoard. Under data parallelism the updates are written at each epoch's end
+    (:meth:`updates`), when the loss of each, the mean over the shards, is known.
 
     Args:
         log_dir: the directory.
@@ -82,16 +82,31 @@ class MetricsLog:
         board: write TensorBoard events too.
         purge_step: a resumed or restarted run's first step: TensorBoard hides the events earlier
             runs wrote from that step on, so steps trained again are drawn once; None for a new run.
+        total_steps: the run's last step (``max_steps``, or every epoch's minibatches), in every
+            update's record as ``total_steps``.
+        at_epoch_end: the updates wait for :meth:`updates` (data parallelism).
     """
 
-    def __init__(self, log_dir: str | os.PathLike, began: float, board: bool, purge_step: int | None = None) -> None:
-        self.path, self.began = metrics_file(log_dir), began
+    def __init__(self, log_dir: str | os.PathLike, began: float, board: bool, purge_step: int | None = None,
+                 total_steps: int | None = None, at_epoch_end: bool = False) -> None:
+        self.path, self.began, self.total, self.at_epoch_end = metrics_file(log_dir), began, total_steps, at_epoch_end
         writer = _writer_class() if board else None
         self.writer = writer(str(log_dir), purge_step=purge_step, flush_secs=FLUSH_S) if writer else None
 
     def update(self, record: dict[str, Any]) -> None:
-        """Log one update (a ``StepRecord`` as a dict, its ``time`` a ``perf_counter``)."""
-        append_json(self.path, {"kind": "update", **record, "time": record["time"] - self.began})
+        """Log one update as it is made (a ``StepRecord`` as a dict, its ``time`` a ``perf_counter``),
+        unless updates wait for the epoch's end."""
+        if not self.at_epoch_end:
+            self._update(record)
+
+    def updates(self, records: list[dict[str, Any]]) -> None:
+        """Log an epoch's updates at its end."""
+        for record in records:
+            self._update(record)
+
+    def _update(self, record: dict[str, Any]) -> None:
+        append_json(self.path, {"kind": "update", **record, "time": record["time"] - self.began,
+                                "total_steps": self.total})
         if self.writer is not None:
             step = record["step"]
             self.writer.add_scalar("train/loss", record["loss"], step)
