@@ -271,7 +271,16 @@ def _plan(training: Training, run: RunOptions, schedule: PipelineSchedule, stage
     if workers is not None and plan.workers != workers:
         raise ValueError(f"{source} places {plan.workers} workers but workers={workers} was asked for; "
                          f"use {plan.workers} or make a new plan with `pipetrain plan --workers {workers}`")
-    return plan, training.batch_size / plan.stage_time_s if plan.stage_time_s > 0 else None
+    return plan, _priced(plan, training.batch_size, schedule)
+
+
+def _priced(plan: Plan, batch_size: int, schedule: PipelineSchedule) -> float | None:
+    """A saved plan's samples/s where it predicts this run: priced with a run set-up (not a bound), for
+    ``pipedream`` without microbatches at this batch size, as :func:`pipetrain.predict.pipeline.price_plan`
+    priced it; else None."""
+    same = schedule.name == "pipedream" and schedule.microbatches == 1 and \
+        plan.options.get("batch_size") == batch_size
+    return plan.samples_per_s if plan.samples_per_s and not plan.bound and same else None
 
 
 SILENT_AFTER_S = 20.0

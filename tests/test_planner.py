@@ -286,7 +286,8 @@ def test_cli_plan(capsys, tmp_path):
     assert code == 0 and Plan.load(saved).config == "7-1"
     assert "config 7-1" in out and "NOAM 2" in out
     assert re.search(r"^ +0 +0-23 +7 +0\.08887 +0\.08221 +node2 Conv2d", out, re.M)
-    assert "predicted time per minibatch" in out and "over one worker" in out and "over data parallelism" in out
+    assert "s per minibatch at the slowest stage" in out and "x one worker" in out and "x data parallelism" in out
+    assert "not priced in samples/s: the profile records no batch size; give it with --batch-size B" in out
     code, out, _ = run_cli(capsys, "plan", str(VGG16), "--workers", "16", "--bandwidth", "10Gbit",
                            "--workers-per-server", "4", "--intra-bandwidth", "100Gbit", "--memory", "64GiB",
                            "--allreduce", "ring", "--fewer-workers")

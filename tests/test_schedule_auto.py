@@ -110,7 +110,8 @@ def test_the_plan_command_prints_the_table_and_the_pick(tmp_path, capsys):
                  "--memory", "3MB"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["schedule", "samples/s", "memory"]
-    assert sum("<-" in ln for ln in lines) == 1 and lines[-1].endswith("memory limit 2.86 MiB per worker")
+    assert sum("<-" in ln for ln in lines) == 1 and lines[-2].endswith("memory limit 2.86 MiB per worker")
+    assert lines[-1].startswith("samples/s: each row a short epoch") and "compute-only bound" in lines[-1]
     assert main(["plan", str(path), "--workers", "2", "--schedules", "all", "--strategies", "all"]) == 1
     assert capsys.readouterr().err.strip() == ("pipetrain plan: error: --strategies and --schedules each pick one "
                                                "thing; give one of them")

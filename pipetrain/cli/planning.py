@@ -13,11 +13,13 @@ import torch
 from pipetrain.cli.common import (
     add_optimizer_options, call_factory, chunk_option, load_loss, optimizer_of, parse_stages,
 )
+from pipetrain.errors import one_line
 from pipetrain.layers import split_points
 from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
 from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.schedules import choose_schedule
 from pipetrain.planning.units import format_bandwidth
+from pipetrain.predict.pipeline import price_plan
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, Auto, Strategy, as_strategy, make, schedule_of
 from pipetrain.setup import measure_setup, model_step
@@ -33,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="MODULE:FACTORY returning the nn.Module (or the module itself)")
     p.add_argument("--batch-size", type=int, required=True, help="samples in the profiled minibatch")
     given = p.add_mutually_exclusive_group(required=True)
-    given.add_argument("--input-shape", help="one sample's shape, e.g. 1,8,8 (random float32 input)")
+    given.add_argument("--input-shape", help="one sample's shape, e.g. 1,8,8 (random input of the dtype of the "
+                                               "model's first floating parameter)")
     given.add_argument("--data", help="MODULE:FACTORY returning a dataset of (input, target); "
                                       "its first batch-size items are used")
     p.add_argument("--loss", default="cross_entropy", help="with --data: torch.nn.functional name or MODULE:FUNCTION")
@@ -75,8 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--one-machine", action="store_true", help="--strategies: the workers share one machine (cgdp "
                                                               "competes), linked at --bandwidth")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="--strategies: samples per minibatch, for samples/s (default: the profile's; a PipeDream "
-                        "graph.txt records none)")
+                   help="samples per minibatch, for samples/s (default: the profile's; a PipeDream graph.txt "
+                        "records none)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="predict a pipeline's or a data-parallel strategy's throughput from a profile")
@@ -101,8 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer (per message)")
     p.add_argument("--staleness", type=int, default=None, help="pipe-sgd: K (default 2)")
     p.add_argument("--compression", default=None, help="pipe-sgd: none | trunc16 | quant8")
-    p.add_argument("--update-s", type=float, default=0.0,
-                   help="seconds per optimizer step (default 0)")
+    p.add_argument("--update-s", type=float, default=None,
+                   help="seconds per optimizer step (default: the profile's optimizer seconds, 0 where not measured)")
     p.add_argument("--chunk", type=chunk_option, default=None,
                    help="cgdp: layers per chunk, or auto (default: the size its cost model predicts fastest)")
     p.add_argument("--sync-latency", type=float, default=1e-4,
@@ -138,12 +141,18 @@ def _shape(text: str) -> list[int]:
     return [int(d) for d in dims]
 
 
+def _input_dtype(model: torch.nn.Module) -> torch.dtype:
+    """``--input-shape``'s random input takes the dtype of the model's first floating parameter (the
+    default dtype without one), since a float64 model refuses float32 input."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
 def cmd_profile(args: argparse.Namespace) -> None:
     _at_least(args, batch_size=1, repeats=1, warmup=0, setup=1, threads=1)
     shape = _shape(args.input_shape) if args.input_shape else None
     model = call_factory(args.model, "model")
     if shape:
-        batch: Any = torch.randn(args.batch_size, *shape)
+        batch: Any = torch.randn(args.batch_size, *shape, dtype=_input_dtype(model))
         loss_fn = None
     else:
         dataset = call_factory(args.data, "data")
@@ -152,8 +161,15 @@ def cmd_profile(args: argparse.Namespace) -> None:
         batch, loss_fn = collate_parts(dataset, range(args.batch_size), (0, 1)), load_loss(args.loss)
     threads = args.threads or max(1, (os.cpu_count() or 1) // (args.setup or 1))
     with torch_threads(threads):
-        profile = profile_model(model, batch, loss_fn, optimizer=optimizer_of(args), repeats=args.repeats,
-                                warmup=args.warmup)
+        try:
+            profile = profile_model(model, batch, loss_fn, optimizer=optimizer_of(args), repeats=args.repeats,
+                                    warmup=args.warmup)
+        except RuntimeError as e:
+            if not shape:
+                raise
+            raise ValueError(f"{args.model} does not run on random {batch.dtype} input of shape "
+                             f"{list(batch.shape)} ({one_line(e)}); give real samples with --data MODULE:FACTORY"
+                             ) from None
         if not shape:
             profile.inputs_s, profile.targets_s, profile.both_s = time_batching(dataset, args.batch_size)
     if args.setup:
@@ -177,9 +193,6 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     _at_least(args, workers=1, workers_per_server=1, batch_size=1)
-    if args.batch_size is not None and args.strategies is None and args.schedules is None:
-        raise ValueError("--batch-size prices samples/s for --strategies or --schedules; a pipeline plan alone is "
-                         "timed per minibatch of the profile (drop --batch-size, or add --strategies all)")
     if args.strategies is not None and args.schedules is not None:
         raise ValueError("--strategies and --schedules each pick one thing; give one of them")
     profile = Profile.load(args.profile)
@@ -191,6 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                   workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
                   fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile,
                   recompute=args.recompute)
+    result = price_plan(profile, result, Link(parse_bandwidth(args.bandwidth)), args.batch_size)
     if args.output:
         result.save(args.output)
     if args.json:
@@ -211,6 +225,8 @@ def _choose(args: argparse.Namespace, profile: Profile) -> None:
                              one_machine=args.one_machine, allow_compression=args.allow_compression,
                              strategies=_names(args.strategies))
     _show(choice, args.json)
+    if not args.json:
+        print(f"samples/s: {_counts(profile)}")
 
 
 def _names(text: str) -> list[str] | None:
@@ -238,6 +254,9 @@ def _schedules(args: argparse.Namespace, profile: Profile) -> None:
     if args.output:
         choice.plan.save(args.output)
     _show(choice, args.json)
+    if not args.json:
+        print(f"samples/s: each row a short epoch, filled and drained, as a run measures it (`plan` alone and "
+              f"`simulate` print the steady rate); {_counts(profile)}")
     if args.output and not args.json:
         c = choice.chosen
         print(f"wrote {args.output} (run it with --schedule {c.schedule}"
@@ -261,10 +280,23 @@ def describe(result: Plan, profile: Profile) -> str:
         send = f"{s.boundary_s:10.4g}" if k < len(result.stages) - 1 else f"{'-':>10}"
         lines.append(f"  {k:>5}  {f'{s.first_layer}-{s.last_layer}':<9} {s.replicas:>8}  {s.time_s:<9.4g}  {send}  "
                      f"{_short(first)} .. {_short(last)}")
-    lines.append(f"predicted time per minibatch: {result.stage_time_s:.4g} s (the slowest stage or boundary)")
-    lines.append(f"predicted speedup: {result.speedup_vs_one:.2f}x over one worker, "
-                 f"{result.speedup_vs_dp:.2f}x over data parallelism on {o['workers']} workers")
+    lines.append(f"partitioner's model (PipeDream §3.2, syncs hidden behind compute): {result.stage_time_s:.4g} s per "
+                 f"minibatch at the slowest stage or boundary, {result.speedup_vs_one:.2f}x one worker, "
+                 f"{result.speedup_vs_dp:.2f}x data parallelism on {o['workers']} workers")
+    lines.append(_price_line(result))
     return "\n".join(lines)
+
+
+def _price_line(result: Plan) -> str:
+    """The plan's one figure (:func:`pipetrain.predict.pipeline.price_plan`), saying whether it predicts."""
+    if not result.samples_per_s:
+        return "not priced in samples/s: the profile records no batch size; give it with --batch-size B"
+    if not result.bound:
+        return (f"predicted: {result.samples_per_s:.0f} samples/s (the plan run by pipedream in the simulator, "
+                "with the profile's run set-up)")
+    return (f"compute-only bound: {result.samples_per_s:.0f} samples/s, not a prediction: the profile has no run "
+            "set-up, so messages, syncs' latency and workers sharing cores cost nothing here (`pipetrain profile "
+            f"--setup {result.workers}` measures them on the machine that will run the job)")
 
 
 def _short(name: str, width: int = 28) -> str:
@@ -315,11 +347,20 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         return
     samples = "" if result.samples_per_s is None else f"{result.samples_per_s:.1f} samples/s, "
     print(f"{args.schedule}, stages {boundaries}, replicas {replicas}: {samples}"
-          f"{result.minibatches_per_s:.2f} minibatches/s, bubble {result.bubble_fraction:.2f}")
+          f"{result.minibatches_per_s:.2f} minibatches/s, bubble {result.bubble_fraction:.2f} ({_counts(profile)})")
     print("busy fraction per worker:   " + " ".join(f"{b:.2f}" for b in result.busy_fraction))
     print("weight versions per worker: " + " ".join(map(str, result.peak_weight_versions)))
     for path in filter(None, (args.png, args.trace_json)):
         print(f"wrote {path}")
+
+
+def _counts(profile: Profile) -> str:
+    """What a simulated figure counts: a prediction of the machine whose run set-up the profile holds, or
+    compute and links alone."""
+    if profile.setup is not None:
+        return "predicted with the profile's run set-up"
+    return ("compute-only bound, not a prediction: no run set-up in the profile, so messages cost only their "
+            "bytes on the link; `pipetrain profile --setup N` measures the rest")
 
 
 def _simulate_data_parallel(args: argparse.Namespace, strategy: Strategy) -> None:
@@ -348,5 +389,6 @@ def _simulate_data_parallel(args: argparse.Namespace, strategy: Strategy) -> Non
         return
     how = "".join(f", {k} {v}" for k, v in priced.options().items() if k != "strategy")
     print(f"{args.strategy}, {args.workers} workers at {format_bandwidth(link.bandwidth_Bps)}{how}: {result.summary()}")
+    print(_counts(profile))
     for path in filter(None, (args.png, args.trace_json)):
         print(f"wrote {path}")

@@ -229,6 +229,10 @@ def _report_speed(result: Any) -> None:
         error = result.predicted_samples_per_s / result.samples_per_s - 1 if result.samples_per_s else float("nan")
         print(f"samples/s: predicted {result.predicted_samples_per_s:.0f}, measured {result.samples_per_s:.0f} "
               f"({error:+.0%})")
+    elif result.plan is not None and result.plan.bound and result.plan.samples_per_s:
+        print(f"samples/s: measured {result.samples_per_s:.0f}; no prediction: the plan's profile has no run set-up, "
+              f"so it priced compute only (a bound of {result.plan.samples_per_s:.0f}); `pipetrain profile --setup "
+              f"{result.plan.workers}` measures what a prediction needs")
     else:
         print(f"samples/s: measured {result.samples_per_s:.0f}")
 

@@ -5,7 +5,7 @@ JSON form (``version`` 1)::
     {"format": "pipetrain-plan", "version": 1, "config": "7-1",
      "stages": [{"first_layer": 0, "last_layer": 23, "replicas": 7, "time_s": 0.09, "boundary_s": 0.08}, ...],
      "noam": 2, "stage_time_s": 0.05, "speedup_vs_one": 7.0, "speedup_vs_dp": 3.0,
-     "options": {"workers": 8, "bandwidth": 1.25e9, ...}}
+     "options": {"workers": 8, "bandwidth": 1.25e9, ...}, "samples_per_s": 1200.0, "bound": false}
 """
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ class Plan:
         speedup_vs_one: one worker's seconds per minibatch over ``stage_time_s``.
         speedup_vs_dp: data parallelism's (one stage on all requested workers) over ``stage_time_s``.
         options: the inputs the plan was made from (workers, bandwidths, flags), for the record.
+        samples_per_s: the plan run by ``pipedream`` in the simulator at the profile's batch size
+            (:func:`pipetrain.predict.pipeline.price_plan`), the one figure ``plan``, ``simulate`` and
+            ``train --plan`` show for it; 0 where it was not priced.
+        bound: the price counts compute and link bandwidth only, since the profile holds no run set-up
+            (no measured per-message or per-action costs): an upper bound, not a prediction.
     """
 
     stages: list[StagePlan]
@@ -57,6 +62,8 @@ class Plan:
     speedup_vs_one: float
     speedup_vs_dp: float
     options: dict[str, Any] = field(default_factory=dict)
+    samples_per_s: float = 0.0
+    bound: bool = False
 
     @property
     def config(self) -> str:
@@ -84,7 +91,8 @@ class Plan:
         return {"format": FORMAT, "version": VERSION, "config": self.config,
                 "stages": [asdict(s) for s in self.stages], "noam": self.noam,
                 "stage_time_s": self.stage_time_s, "speedup_vs_one": self.speedup_vs_one,
-                "speedup_vs_dp": self.speedup_vs_dp, "options": self.options}
+                "speedup_vs_dp": self.speedup_vs_dp, "options": self.options, "samples_per_s": self.samples_per_s,
+                "bound": self.bound}
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -98,7 +106,8 @@ class Plan:
                                 float(s.get("time_s", 0.0)), float(s.get("boundary_s", 0.0)))
                       for s in data["stages"]]
             plan = Plan(stages, int(data["noam"]), float(data["stage_time_s"]), float(data["speedup_vs_one"]),
-                        float(data["speedup_vs_dp"]), dict(data.get("options", {})))
+                        float(data["speedup_vs_dp"]), dict(data.get("options", {})),
+                        float(data.get("samples_per_s", 0.0)), bool(data.get("bound", False)))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{source}: malformed plan ({one_line(e)}); "
                              "regenerate it with `pipetrain plan`") from None

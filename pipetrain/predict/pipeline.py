@@ -7,6 +7,7 @@ both, which is what ``stages="auto"`` and ``strategy="auto"`` compare plans by.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from pipetrain.planning.result import Plan
 from pipetrain.profiling import Profile
@@ -36,3 +37,18 @@ def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
     or with ``epoch`` the rate of an epoch as it runs (:func:`epoch_rate`)."""
     sim, count = simulate_plan(profile, chosen, link, batch_size, schedule, minibatches)
     return epoch_rate(sim, count, batch_size) if epoch else sim.samples_per_s or 0.0
+
+
+def price_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None = None,
+               minibatches: int = 32) -> Plan:
+    """``chosen`` with its steady samples/s under ``pipedream`` at ``batch_size`` (default: the profile's; 0
+    where neither is known), as ``pipetrain simulate --plan`` prints it, so that ``plan``, ``plan
+    --strategies``, ``simulate`` and ``train --plan`` show one figure for one plan.
+
+    Without a run set-up in ``profile`` nothing prices a message's latency and CPU, workers sharing cores
+    or a sync's per-step latency, which on one machine cost far more than the compute of a small model:
+    the figure is then marked a bound (:attr:`Plan.bound`), never compared as a prediction."""
+    batch = batch_size or profile.batch_size
+    rate = predict_plan(profile, chosen, link, batch, minibatches=minibatches) if batch > 0 else 0.0
+    return replace(chosen, samples_per_s=rate, bound=profile.setup is None,
+                   options={**chosen.options, "batch_size": batch})
