@@ -169,12 +169,17 @@ class Training:
             return self.max_steps // rounds * rounds
         return per_epoch(self.n_items, self.batch_size, rounds)
 
-    def order(self, epoch: int, rounds: int) -> list[list[int]]:
-        """Dataset indices (a stream's positions) of each minibatch of ``epoch``: the epoch's whole
-        rounds of minibatches, up to ``max_steps`` in all; empty once ``max_steps`` is reached."""
+    def minibatches(self, epoch: int, rounds: int) -> int:
+        """Minibatches of ``epoch``: a whole epoch's, fewer where ``max_steps`` ends the run in it, 0 after."""
         k = self.epoch_minibatches(rounds)
-        if self.max_steps is not None:
-            k = max(0, min(k, (self.max_steps - epoch * self.epoch_minibatches(rounds)) // rounds * rounds))
+        if self.max_steps is None:
+            return k
+        return max(0, min(k, (self.max_steps - epoch * k) // rounds * rounds))
+
+    def order(self, epoch: int, rounds: int) -> list[list[int]]:
+        """Dataset indices (a stream's positions) of each minibatch of ``epoch`` (:meth:`minibatches` of
+        them); empty once ``max_steps`` is reached."""
+        k = self.minibatches(epoch, rounds)
         if self.n_items is None:
             return [list(range(t * self.batch_size, (t + 1) * self.batch_size)) for t in range(k)]
         return epoch_order(self.n_items, self.batch_size, epoch, self.shuffle and not self.stream, self.seed,
@@ -182,14 +187,11 @@ class Training:
 
     def epochs_run(self, rounds: int) -> int:
         """Epochs that make an update: ``epochs``, or fewer where ``max_steps`` ends the run sooner."""
-        if self.max_steps is None:
-            return self.epochs
-        k = self.epoch_minibatches(rounds)
-        return min(self.epochs, -(-(self.max_steps // rounds * rounds) // k)) if k else 0
+        return sum(1 for epoch in range(self.epochs) if self.minibatches(epoch, rounds))
 
     def steps(self, rounds: int, first_epoch: int = 0) -> int:
         """Updates from ``first_epoch`` to the end (the minibatches of those epochs, up to ``max_steps``)."""
-        return sum(len(self.order(epoch, rounds)) for epoch in range(first_epoch, self.epochs))
+        return sum(self.minibatches(epoch, rounds) for epoch in range(first_epoch, self.epochs))
 
     def without_model(self) -> Training:
         """This training as it travels to a worker: without the model, whose stages travel on their own

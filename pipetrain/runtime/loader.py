@@ -202,12 +202,14 @@ def _streamed(recipe: Recipe, task: Task) -> bool:
 
 @dataclass(frozen=True)
 class _Failed:
-    """What a loader hands back instead of a minibatch it could not build (an exception raised in a
-    DataLoader worker would come back as its traceback, not as one line)."""
+    """What a loader hands back instead of a minibatch it could not build, as one line (an exception
+    raised in a DataLoader worker would come back as its traceback)."""
 
-    loader: int
-    item: int | None
-    error: str
+    message: str
+
+
+def _failed(task: Task, item: int | None, error: str) -> _Failed:
+    return _Failed(f"loader {_loader_id()} failed on {_where(item, task.items)} of minibatch {task.mb}: {error}")
 
 
 POLL_S = 2.0
@@ -268,8 +270,7 @@ class Loaders:
                     raise LoadError(f"a loader built nothing for {self.timeout:g}s while building minibatch {mb} "
                                     "(a dataset item that never returns?)") from None
         if isinstance(got, _Failed):
-            raise LoadError(f"loader {got.loader} failed on {_where(got.item, [got.item or 0])} of minibatch {mb}: "
-                            f"{got.error}")
+            raise LoadError(got.message)
         done, values = got
         assert done == mb, "minibatches are asked for in the order they were planned"
         return values
@@ -306,9 +307,9 @@ class _Minibatches(Dataset):
         try:
             return task.mb, build(self.recipe, task)
         except ItemFailed as e:
-            return _Failed(_loader_id(), e.item if e.item is not None else task.items[0], e.error)
+            return _failed(task, e.item, e.error)
         except Exception as e:  # collating the user's items may raise anything
-            return _Failed(_loader_id(), None, one_line(e))
+            return _failed(task, None, one_line(e))
 
 
 class _StreamShares(IterableDataset):
@@ -318,15 +319,18 @@ class _StreamShares(IterableDataset):
         self.recipe, self.tasks, self.n = recipe, tasks, n
 
     def __iter__(self) -> Iterator[tuple[int, list[Any]] | _Failed]:
-        k = _loader_id()
+        mine = self.tasks[_loader_id()::min(self.n, len(self.tasks))]
+        done = 0
         try:
-            yield from read(self.recipe, self.tasks[k::min(self.n, len(self.tasks))])
+            for built in read(self.recipe, mine):
+                yield built
+                done += 1
         except ItemFailed as e:
-            yield _Failed(k, e.item, e.error)
+            yield _failed(mine[done], e.item, e.error)
         except LoadError as e:
-            yield _Failed(k, None, str(e))
+            yield _Failed(str(e))
         except Exception as e:  # collating the user's items may raise anything
-            yield _Failed(k, None, one_line(e))
+            yield _failed(mine[done], None, one_line(e))
 
 
 def _dead(batches: Any) -> str:
