@@ -328,7 +328,7 @@ def _launch(cfg: JobConfig, layers: LayeredModel | None, started: float, restart
                     parts = run_rank(shipped, start, local_parts(layers, model, stages(rank), source), source)["parts"]
                 else:
                     parts = spawn(run_rank, cfg.world, lambda r: (shipped, start, shipment.parts(stages(r)), source),
-                                  describe=name, log_dir=cfg.run.checkpoint_dir, scratch=shipment.scratch,
+                                  describe=name, log_dir=cfg.run.checkpoint_dir,
                                   silent_after=min(cfg.run.timeout / 2, SILENT_AFTER_S))
                 break
             except PipetrainError as e:

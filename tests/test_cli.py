@@ -59,9 +59,9 @@ def test_ctrl_c_stops_every_worker_in_one_line(tmp_path):
                             # as from a terminal: a runner that ignores SIGINT (a background job) passes that on
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob("pipetrain-*/history*.jsonl")) and time.monotonic() < deadline:
+    while not list(tmp_path.glob("pipetrain-*/job-*/history*.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)  # until the workers train
-    streaming = bool(list(tmp_path.glob("pipetrain-*/history*.jsonl")))
+    streaming = bool(list(tmp_path.glob("pipetrain-*/job-*/history*.jsonl")))
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert streaming, f"no worker streamed its history within 60 s: {sorted(p.name for p in tmp_path.rglob('*'))}"

@@ -194,10 +194,12 @@ def _descendants(pid: int) -> set[int]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["pipeline", "pipe-sgd"])
-def test_killing_the_caller_leaves_no_process_behind(strategy, tmp_path):
-    """SIGKILL the process that called train: its workers and the fork server are gone within seconds,
-    and so are its temporary directories."""
+@pytest.mark.parametrize("strategy,when", [("pipeline", "training"), ("pipe-sgd", "training"),
+                                           ("pipeline", "starting")])
+def test_killing_the_caller_leaves_no_process_behind(strategy, when, tmp_path):
+    """SIGKILL the process that called train, while its workers train or as soon as it has made its
+    temporary directory (before or between its first jobs): its workers, the fork server and its
+    cleaner are gone within seconds, and so are its temporary directories."""
     import os
     import signal
     import subprocess
@@ -216,11 +218,15 @@ def test_killing_the_caller_leaves_no_process_behind(strategy, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "TMPDIR": str(tmp)})
     deadline = time.monotonic() + 60
-    while len(_descendants(proc.pid)) < 3 and time.monotonic() < deadline:  # fork server, workers
-        time.sleep(0.2)
+    if when == "starting":
+        while not list(tmp.glob("pipetrain-*")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    else:
+        while len(_descendants(proc.pid)) < 4 and time.monotonic() < deadline:  # fork server, workers
+            time.sleep(0.2)
+        time.sleep(1.0)  # training
     below = _descendants(proc.pid)
-    assert len(below) >= 3, "the workers never started"
-    time.sleep(1.0)  # training
+    assert below, "nothing started"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10

@@ -14,10 +14,8 @@ import contextlib
 import faulthandler
 import json
 import multiprocessing as mp
-import multiprocessing.util
 import os
 import pickle
-import shutil
 import signal
 import socket
 import sys
@@ -33,6 +31,7 @@ from typing import Any
 import torch
 
 from pipetrain.errors import PipetrainError, first_line, one_line
+from pipetrain.runtime.scratch import caller_dir
 
 
 def under_torchrun() -> bool:
@@ -46,30 +45,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_caller(caller: int, leftovers: tuple[str, ...]) -> None:
+def _die_with_caller(caller: int) -> None:
     """End this worker when the process that called ``spawn`` dies (even by SIGKILL), so a killed job
     leaves no workers behind; elsewhere than Linux the workers' own timeouts end them.
 
     [Note: orphans] A worker's parent is the fork server, not the caller, and every worker holds the
     fork server's "caller alive" pipe open (multiprocessing passes it on so workers could start
     processes of their own), so the fork server outlives a killed caller while workers run. So a
-    thread waits on a pidfd of the caller and ends the worker when it exits (removing the caller's
-    temporary directories, ours and multiprocessing's, which it can no longer remove); then the fork
-    server sees the pipe close and exits too. The parent-death signal covers the fork server itself dying.
+    thread waits on a pidfd of the caller and ends the worker when it exits; then the fork server sees
+    the pipe close and exits too. The parent-death signal covers the fork server itself dying. The
+    caller's temporary directories are its cleaner's to remove (:mod:`pipetrain.runtime.scratch`).
     """
     if not die_with_parent():
         return
     try:
         fd = os.pidfd_open(caller)
+    except ProcessLookupError:  # the caller died while this worker started
+        os._exit(1)
     except (OSError, AttributeError):
         return
     import select
-    import threading
 
     def watch() -> None:
         select.select([fd], [], [])  # readable once the caller has exited
-        for d in leftovers:
-            shutil.rmtree(d, ignore_errors=True)
         os._exit(1)
     threading.Thread(target=watch, daemon=True, name="pipetrain-caller-watch").start()
 
@@ -122,9 +120,9 @@ def _heartbeat(beat: Path) -> None:
     threading.Thread(target=loop, daemon=True, name="pipetrain-heartbeat").start()
 
 
-def _child(rank: int, world: int, port: int, workdir: str, caller: int, leftovers: tuple[str, ...]) -> None:
+def _child(rank: int, world: int, port: int, workdir: str, caller: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it stops the workers
-    _die_with_caller(caller, (workdir, *leftovers))
+    _die_with_caller(caller)
     _heartbeat(_beat(workdir, rank))
     _stacks_on_request(Path(workdir) / f"stacks{rank}.txt")
     keep_freed_memory()
@@ -150,14 +148,12 @@ def _child(rank: int, world: int, port: int, workdir: str, caller: int, leftover
 
 def spawn(fn: Callable[..., Any], world: int, args: tuple | Callable[[int], tuple],
           describe: Callable[[int], str] = "rank {}".format, poll_s: float = 0.05, silent_after: float | None = None,
-          log_dir: str | os.PathLike | None = None, timeout: float | None = None,
-          scratch: tuple[str, ...] = ()) -> list[Any]:
+          log_dir: str | os.PathLike | None = None, timeout: float | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``world`` processes with RANK/WORLD_SIZE set; return each rank's result.
 
     ``args`` may be a function of the rank giving that rank's arguments: each rank is then sent only
     its own (a pipeline worker its stage), made just before its process starts, so the caller never
-    holds every rank's at once. ``scratch``: the caller's temporary directories the workers read from,
-    which they remove if the caller is killed (:func:`_die_with_caller`), as the caller cannot.
+    holds every rank's at once.
 
     Results travel through ``torch.save``/``torch.load(weights_only=True)``: plain data and tensors.
     Each worker shows a sign of life every HEARTBEAT_S; one that shows none for ``silent_after``
@@ -179,7 +175,7 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple | Callable[[int], tupl
     for attempt in range(PORT_TRIES):
         try:
             return _spawn_once(ctx, fn, args_of, world, _free_port(), describe, poll_s, silent_after, log_dir,
-                               timeout, scratch)
+                               timeout)
         except PipetrainError as e:
             if (_PORT_TAKEN not in str(e) and e.kind != "unstarted") or attempt == PORT_TRIES - 1:
                 raise
@@ -197,10 +193,9 @@ _PORT_TAKEN = "on 127.0.0.1 is in use"
 
 def _spawn_once(ctx: Any, fn: Callable[..., Any], args_of: Callable[[int], tuple], world: int, port: int,
                 describe: Callable[[int], str], poll_s: float, silent_after: float | None,
-                log_dir: str | os.PathLike | None, timeout: float | None, scratch: tuple[str, ...] = ()) -> list[Any]:
-    with tempfile.TemporaryDirectory(prefix="pipetrain-") as workdir:
-        mp_dir = multiprocessing.util.get_temp_dir()  # the fork server's socket lives there
-        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, os.getpid(), (mp_dir, *scratch)),
+                log_dir: str | os.PathLike | None, timeout: float | None) -> list[Any]:
+    with tempfile.TemporaryDirectory(prefix="job-", dir=caller_dir()) as workdir:
+        procs = [ctx.Process(target=_child, args=(r, world, port, workdir, os.getpid()),
                              daemon=False) for r in range(world)]
         started = []
         since = time.monotonic()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from torch import nn
 from pipetrain.initialize import assign, initial_values, meta_names
 from pipetrain.layers import LayeredModel
 from pipetrain.runtime.launch import under_torchrun
+from pipetrain.runtime.scratch import scratch_dir
 from pipetrain.stagecode import portable, set_device
 from pipetrain.weightfiles import WeightFiles, write_shard
 
@@ -101,17 +101,12 @@ class Shipment:
 
     def __enter__(self) -> Shipment:
         if self.source.ships_tensors and not under_torchrun():  # under torchrun nothing travels
-            self.directory = Path(tempfile.mkdtemp(prefix="pipetrain-stages-"))
+            self.directory = Path(scratch_dir("stages-"))
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
-
-    @property
-    def scratch(self) -> tuple[str, ...]:
-        """The directory the workers read from, if any (for :func:`pipetrain.runtime.launch.spawn`)."""
-        return () if self.directory is None else (str(self.directory),)
 
     def parts(self, stages: list[tuple[int, int, int]]) -> list[Part]:
         """The parts of a worker holding ``(stage, first layer, last layer)`` each (data parallelism: [])."""
