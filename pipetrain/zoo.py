@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -322,6 +323,8 @@ SPECS: dict[str, ModelSpec] = {
     "resnet-like": ModelSpec(resnet_like, (3, 32, 32), torch.float32, (), 10),
     "mnist-mlp": ModelSpec(mnist_mlp, (784,), torch.float32, (), 10),
     "lstm-lm": ModelSpec(lstm_lm, (64,), torch.long, (64,), len(CHARS)),
+    "gpt-like": ModelSpec(functools.partial(gpt_like, vocab=4096, width=256, depth=8, heads=8, context=64), (64,),
+                          torch.long, (64,), 4096),
 }
 """Each zoo model at its default size. Synthetic data only; ``char_lm_dataset`` is real text for lstm-lm."""
 

@@ -16,6 +16,7 @@ SMALL = {
     "resnet-like": {"width": 4, "blocks": (1, 1)},
     "mnist-mlp": {"hidden": (16, 16)},
     "lstm-lm": {"embed": 8, "hidden": 16},
+    "gpt-like": {"width": 16, "depth": 2, "heads": 2},
 }
 
 
