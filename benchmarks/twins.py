@@ -35,8 +35,9 @@ from pipetrain.runtime.split_backward import input_backward
 from pipetrain.schedule.kinds import GPipe, Interleaved1F1B, OneFOneBFlush, ZeroBubble
 from pipetrain.zoo import SPECS
 
-MODELS = {"gpt-like": {"batch_size": 16, "stages": [0, 6]}, "vgg-like": {"batch_size": 32, "stages": None}}
-"""Each model's batch and split (None: the automatic plan's, as ``pipetrain bench`` picks it)."""
+MODELS: dict[str, dict[str, Any]] = {"gpt-like": {"batch_size": 16, "stages": [0, 6]},
+                                     "vgg-like": {"batch_size": 32, "stages": [0, 14]}}
+"""Each model's batch and its 2-stage split (first layers), about even on one thread."""
 OURS = ("1f1b-flush", "gpipe", "zero-bubble", "interleaved-1f1b")
 SCHEDULES = {"1f1b-flush": OneFOneBFlush, "gpipe": GPipe, "zero-bubble": ZeroBubble,
              "interleaved-1f1b": Interleaved1F1B}
@@ -57,7 +58,7 @@ def breakdown(model: str, schedule: str, microbatches: int, steps: int = 8) -> l
     batch = MODELS[model]["batch_size"]
     n = len(LayeredModel(spec.factory()))
     looped = schedule == "interleaved-1f1b"
-    stages: Any = [round(i * n / 4) for i in range(4)] if looped else (MODELS[model]["stages"] or [0, n // 2])
+    stages: Any = [round(i * n / 4) for i in range(4)] if looped else MODELS[model]["stages"]
     torch.manual_seed(0)
     result = pipetrain.train(spec.factory(), spec.dataset(batch * steps), loss_fn=spec.loss_fn,
                              optimizer=functools.partial(torch.optim.SGD, lr=0.01), batch_size=batch,
@@ -81,7 +82,7 @@ def split_cost(model: str, microbatches: int, repeats: int = 6) -> list[dict[str
     spec = SPECS[model]
     torch.manual_seed(0)
     layers = LayeredModel(spec.factory())
-    bounds = MODELS[model]["stages"] or [0, len(layers) // 2]
+    bounds = MODELS[model]["stages"]
     pieces = list(layers.stages(bounds))
     x, _ = spec.dataset(MODELS[model]["batch_size"] // microbatches)[:]
     inputs = [x]
