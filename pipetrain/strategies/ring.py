@@ -62,7 +62,7 @@ def allreduce(blocks: torch.Tensor, group: dist.ProcessGroup | None, codec: Code
 
     [Note: lossless allreduce] Without a codec the ring has nothing to do between hops but add, and
     gloo's ``all_reduce`` (a ring as well, in C++) does that with less CPU: on two emulated hosts,
-    107 MB of gradient took 10-30% less of the process's CPU than our ring in 5 of 6 comparisons,
+    107 MB of gradient took 9-34% less of the process's CPU than our ring in 5 of 6 comparisons,
     in the same wall time (BENCHMARKS.md, "Where the allreduce's time goes"). Where the workers
     share cores, that CPU is taken from the compute the allreduce should hide behind. Its result is
     bitwise the same on every rank, as the ring's is, though not summed in the ring's order, so it
