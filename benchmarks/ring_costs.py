@@ -12,8 +12,9 @@ barrier; rank 0's figures:
   gloo's included, and the kernel's network work done on their behalf); ``machine cpu``: busy CPU
   seconds of the whole machine meanwhile (both ranks, the emulated link's kernel work, anything else).
 
-The rows: the copy of the gradient into the ring's buffer and the mean back out (what the ``A`` and
-``S`` actions do around the ring); one hop of half the gradient each way, sent whole and in the ring's
+The rows: the copy of the gradient into the sync's buffer, and a mean with a copy back out (the
+passes over the gradient around an allreduce: Pipe-SGD's ``A`` now divides on its copy, DDP divides
+and copies back); one hop of half the gradient each way, sent whole and in the ring's
 chunks (the link's floor); the ring's two phases run apart (reduce-scatter: send, receive and add one
 block; all-gather: send and receive one block); the ring as Pipe-SGD runs it, per codec; gloo's
 ``all_reduce`` of the same buffer whole and in DDP's 25 MB buckets, and its ``reduce_scatter`` +
