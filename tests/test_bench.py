@@ -38,10 +38,10 @@ def test_bench_json_has_every_system(capsys: pytest.CaptureFixture[str], tmp_pat
     assert report["split"]["source"].startswith("pipedream's automatic plan")
     # the pipelines send one cut's activations and gradients; DDP the whole gradient
     assert report["bytes_per_sample"]["ddp"] > report["bytes_per_sample"]["pipedream"]
-    # every target but the predictions' (they need a link to predict for; loopback has none) and cgdp's
-    # (an extra system)
-    assert report["bound_samples_per_s"] > 0 and set(report["targets"]) == set(TARGETS) - {"prediction_error",
-                                                                                            "cgdp_vs_ddp"}
+    # every target but the predictions' (they need a link to predict for; loopback has none), cgdp's
+    # and pipe-sgd's against K = 1 (extra systems)
+    assert report["bound_samples_per_s"] > 0 and set(report["targets"]) == set(TARGETS) - {
+        "prediction_error", "cgdp_vs_ddp", "pipe_sgd_vs_k1"}
     assert {"F", "B", "U"} <= {k for rank in report["pipedream"]["seconds_per_minibatch"] for k in rank}
     assert png.stat().st_size > 0
     assert "torch-1f1b" in format_table(report)
@@ -59,6 +59,17 @@ def test_ps_sync_runs_beside_ddp_with_one_more_process(capsys: pytest.CaptureFix
     assert report["bytes_per_sample_per_rank"] == {"ddp": [grad, grad], "ps-sync": [grad, grad, 2 * grad]}
     assert report["bytes_per_sample"] == {"ddp": grad, "ps-sync": 2 * grad}
     assert "ps-sync: 2 workers and a parameter server (rank 2" in format_table(report)
+
+
+@pytest.mark.multiprocess
+def test_pipe_sgd_k1_runs_beside_k2(capsys: pytest.CaptureFixture[str]) -> None:
+    """Named, pipe-sgd-k1 runs pipe-sgd at K = 1: the same bytes as K = 2, and K = 2 judged against it."""
+    assert main(["bench", *TINY, "--loopback", "--systems", "pipe-sgd,pipe-sgd-k1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["samples_per_s"]) == {"pipe-sgd", "pipe-sgd-k1"} and not report["errors"]
+    assert report["bytes_per_sample"]["pipe-sgd-k1"] == report["bytes_per_sample"]["pipe-sgd"]
+    rates = report["samples_per_s"]
+    assert report["targets"]["pipe_sgd_vs_k1"]["value"] == rates["pipe-sgd"] / rates["pipe-sgd-k1"]
 
 
 @pytest.mark.multiprocess

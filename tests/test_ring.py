@@ -16,7 +16,7 @@ import torch.distributed as dist
 from pipetrain.runtime.launch import spawn
 from pipetrain.strategies.compression import CODECS, QUANT_GROUP, get_codec
 from pipetrain.strategies import ring as ring_module
-from pipetrain.strategies.ring import block_size, ring_allreduce
+from pipetrain.strategies.ring import allreduce, block_size, ring_allreduce
 
 G = QUANT_GROUP
 SIZES = [1, 7, 1001, 5 * G + 123]  # the last spans several quant8 groups and is not a multiple of G
@@ -86,6 +86,7 @@ def _ring_job(cases: list, seed: int) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.new_group(list(range(world)))
     out = {"group": _run(cases[0::2], seed, group)}
+    out["backend"] = [_lossless(n, dtype, seed, group) for codec_name, n, dtype in cases if codec_name == "none"]
     ring_module.CHUNK_BYTES = 100  # payloads of several messages, cut at odd byte offsets
     out["default"] = _run(cases[1::2], seed, None)
     if world == 3:
@@ -99,6 +100,26 @@ def _ring_job(cases: list, seed: int) -> dict:
         except ValueError as e:
             out["bad_shape"] = str(e)
     return out
+
+
+def _lossless(n: int, dtype: torch.dtype, seed: int, group) -> tuple[torch.Tensor, int]:
+    """Pipe-SGD's allreduce without a codec (the backend's own): this rank's (blocks, bytes sent)."""
+    p = dist.get_world_size(group)
+    blocks = _padded(seed, dist.get_rank(), n, dtype, p * block_size(n, p, 1)).view(p, -1)
+    return blocks, allreduce(blocks, group, get_codec(None))
+
+
+def _check_lossless(results: list, cases: list, world: int, seed: int) -> None:
+    """results[i][c]: rank i's (blocks, sent) of case c: the sum, bitwise the same on every rank."""
+    for c, (_, n, dtype) in enumerate(cases):
+        b = _block(n, world, 1)
+        grads = torch.stack([_padded(seed, g, n, dtype, world * b) for g in range(world)]).double()
+        for i in range(world):
+            blocks, sent = results[i][c]
+            assert torch.equal(blocks, results[0][c][0]) and sent == 2 * (world - 1) * _payload("none", b, dtype)
+        got, exact = results[0][c][0].view(-1).double(), grads.sum(0)
+        tol = 1e-12 if dtype == torch.float64 else 1e-6 * float(grads.abs().sum(0).max())
+        torch.testing.assert_close(got, exact, rtol=0, atol=tol)
 
 
 def _check(results: list, cases: list, ring: list[int], seed: int) -> None:
@@ -130,6 +151,7 @@ def test_ring_matches_the_sequential_recurrence(world):
     res = spawn(_ring_job, world, (CASES, seed))
     for key, cases in (("group", CASES[0::2]), ("default", CASES[1::2])):
         _check([r[key] for r in res], cases, list(range(world)), seed)
+    _check_lossless([r["backend"] for r in res], [c for c in CASES if c[0] == "none"], world, seed)
     if world == 3:
         _check([res[0]["sub"], res[2]["sub"]], CASES, [0, 2], seed)
         for (blocks, sent), (codec_name, n, dtype) in zip(res[1]["sub"], CASES, strict=True):

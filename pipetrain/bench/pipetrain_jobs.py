@@ -1,5 +1,5 @@
 """pipetrain itself as a benchmark runner, one rank of a job (see :mod:`pipetrain.bench.measure`):
-a ``pipetrain.train`` job timed from its own history, and the cost of pipetrain's ring allreduce alone
+a ``pipetrain.train`` job timed from its own history, and the cost of Pipe-SGD's allreduce alone
 (an input of the data-parallel predictions)."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pipetrain.bench.measure import PeerConfig, TxSampler, finish, init_group
 from pipetrain.strategies.cgdp import layer_parameters
 from pipetrain.strategies.chunks import search_length
 from pipetrain.strategies.compression import get_codec
-from pipetrain.strategies.ring import block_size, ring_allreduce
+from pipetrain.strategies.ring import allreduce, block_size
 from pipetrain.trace import seconds_by_kind
 
 
@@ -125,8 +125,8 @@ def pipetrain_job(cfg: PeerConfig, runner: str, options: dict[str, Any], trace: 
 
 
 def ring_cost(cfg: PeerConfig, codec: str | None, repeats: int = 5) -> dict[str, Any]:
-    """One rank of pipetrain's ring allreduce of the model's whole gradient alone, without training:
-    what one allreduce costs this rank in wall seconds and in CPU seconds of the whole process (the
+    """One rank of Pipe-SGD's allreduce (:func:`pipetrain.strategies.ring.allreduce`) of the model's
+    whole gradient alone, without training: what one allreduce costs this rank in wall seconds and in CPU seconds of the whole process (the
     copy of the gradient into the ring's buffer, the ring's arithmetic, gloo's threads and the
     kernel's network work done in its calls; ``resource``'s user + system time; ``machine_busy_s``:
     the whole machine's busy CPU seconds meanwhile), and ``latency_s``: one hop of a ring of one
@@ -146,7 +146,7 @@ def ring_cost(cfg: PeerConfig, codec: str | None, repeats: int = 5) -> dict[str,
         dist.barrier()
         t0, u0, m0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), machine_busy_s()
         blocks.view(-1)[:elements].copy_(grad)  # what pipe-sgd's A action does
-        ring_allreduce(blocks, group, chosen, held)
+        allreduce(blocks, group, chosen, held)
         dist.barrier()
         u1, m1 = resource.getrusage(resource.RUSAGE_SELF), machine_busy_s()
         walls.append(time.perf_counter() - t0)
@@ -157,7 +157,7 @@ def ring_cost(cfg: PeerConfig, codec: str | None, repeats: int = 5) -> dict[str,
     for _ in range(repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        ring_allreduce(tiny, group, chosen)
+        allreduce(tiny, group, chosen)
         hops.append((time.perf_counter() - t0) / (2 * (world - 1)))
     return finish({"rank": rank, "codec": codec, "elements": elements, "wall_s": statistics.median(walls[1:]),
                    "cpu_s": statistics.median(cpus[1:]), "machine_busy_s": statistics.median(machine[1:]),

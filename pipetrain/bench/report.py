@@ -19,6 +19,7 @@ TARGETS = {
     "pipe_sgd_trunc16_vs_ddp": 1.6,
     "pipe_sgd_quant8_vs_ddp": 2.5,
     "pipe_sgd_quant8_bytes_vs_ddp": 0.30,   # at most: quant8's bytes per sample / ddp's
+    "pipe_sgd_vs_k1": 1.3,             # K = 2 against K = 1: what the overlap of ring and compute gains
     "prediction_error": 0.15,          # at most: |predicted / measured - 1| of every data-parallel system
     "cgdp_vs_ddp": 1.10,               # vgg-like, 2 workers on one machine (--loopback)
     "1f1b_flush_vs_torch": 1.0,        # each pipetrain schedule against torch's twin (TWINS), best counts
@@ -92,6 +93,8 @@ def build_report(cfg: SuiteConfig, runs: dict[str, dict[int, dict[str, Any]]], s
     for system in PIPE_SGD:
         if system in rate and "ddp" in rate:
             targets[f"{system.replace('-', '_')}_vs_ddp"] = rate[system] / rate["ddp"]
+    if "pipe-sgd" in rate and "pipe-sgd-k1" in rate:
+        targets["pipe_sgd_vs_k1"] = rate["pipe-sgd"] / rate["pipe-sgd-k1"]
     if "pipe-sgd-quant8" in rate and "ddp" in rate:
         targets["pipe_sgd_quant8_bytes_vs_ddp"] = bps["pipe-sgd-quant8"] / bps["ddp"]
     if "cgdp" in rate and "ddp" in rate:

@@ -126,6 +126,9 @@ def _run_all(cfg: SuiteConfig, launch: Launcher, where: str, log: Callable[[str]
         if system in PIPE_SGD:
             job(system, 1, pipetrain_job, (peer, system, {"strategy": "pipe-sgd", "compression": PIPE_SGD[system]}))
             continue
+        if system == "pipe-sgd-k1":
+            job(system, 1, pipetrain_job, (peer, system, {"strategy": "pipe-sgd", "staleness": 1}))
+            continue
         if system == "cgdp":
             job(system, 1, pipetrain_job, (peer, system, {"strategy": "cgdp", "chunk": "auto"}))
             continue

@@ -24,6 +24,8 @@ when it runs the cluster has ``workers + 1`` hosts and every other system uses t
 ``torch-interleaved-1f1b``  ``ScheduleInterleaved1F1B`` on the same 2W stages as ``interleaved-1f1b``
 ``pipe-sgd``        pipetrain's Pipe-SGD (K = 2); ``pipe-sgd-trunc16`` and ``pipe-sgd-quant8`` with
                     that codec inside its ring allreduce
+``pipe-sgd-k1``     only when named: ``pipe-sgd`` at K = 1 (each gradient waited for at once), the
+                    baseline of what K = 2 hides
 ``ddp-fp16``        only when named: ``ddp`` with gradients compressed to fp16 (``fp16_compress_hook``)
 ``ps-sync``         only when named: synchronous SGD through a parameter server (Pipe-SGD §4's
                     PS-Sync; each worker takes batch / workers, the server is the extra host)
@@ -42,8 +44,8 @@ PIPE_SGD = {"pipe-sgd": None, "pipe-sgd-trunc16": "trunc16", "pipe-sgd-quant8": 
 """pipetrain's Pipe-SGD (K = 2) with each codec inside its ring allreduce."""
 SYSTEMS = ("pipedream", "1f1b-flush", "gpipe", "model-parallel", "zero-bubble", "2bw", "interleaved-1f1b", "ddp",
            "torch-1f1b", "torch-gpipe", "torch-zero-bubble", "torch-interleaved-1f1b", *PIPE_SGD)
-EXTRA_SYSTEMS = ("ddp-fp16", "ps-sync", "cgdp")
-"""Run only when named in ``systems``: DDP with ``fp16_compress_hook``; a parameter server; pipetrain's
+EXTRA_SYSTEMS = ("pipe-sgd-k1", "ddp-fp16", "ps-sync", "cgdp")
+"""Run only when named in ``systems``: Pipe-SGD at K = 1; DDP with ``fp16_compress_hook``; a parameter server; pipetrain's
 CGDP (a one-machine method: run it with ``--loopback``; on the emulated cluster each host is a machine
 of one worker and the hosts add their sums hierarchically)."""
 MICROBATCHED = ("1f1b-flush", "gpipe", "zero-bubble", "2bw", "interleaved-1f1b", "torch-1f1b", "torch-gpipe",

@@ -1,5 +1,5 @@
-"""The set-up's probes of our ring allreduce (:mod:`pipetrain.strategies.ring`): its line busy and
-idle, its CPU, and pipe-sgd's own loop where the workers share cores."""
+"""The set-up's probes of Pipe-SGD's allreduce (:func:`pipetrain.strategies.ring.allreduce`): its
+line busy and idle, its CPU, and pipe-sgd's own loop where the workers share cores."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pipetrain.setup.collectives import mean_over_ranks, staggered_calls
 from pipetrain.setup.messages import fit_line
 from pipetrain.strategies.compression import CODECS, Codec, get_codec
-from pipetrain.strategies.ring import block_size, ring_allreduce
+from pipetrain.strategies.ring import allreduce, block_size
 from pipetrain.timing import median_seconds
 
 
@@ -44,7 +44,7 @@ def ring_sizes(s_per_byte: float) -> tuple[int, int]:
 
 def ring_line(rank: int, sizes: tuple[int, int], device: torch.device, rounds: int,
               big_rounds: int = 3) -> tuple[float, float]:
-    """(α, β) of :func:`pipetrain.strategies.ring.ring_allreduce` over every rank (all call it; the
+    """(α, β) of :func:`pipetrain.strategies.ring.allreduce` over every rank (all call it; the
     set-up calls it while a thread of each rank computes, then with nothing else running): the ring
     model's line through two gradient ``sizes`` (:func:`ring_sizes`). Small: ``rounds`` staggered
     allreduces (:func:`~pipetrain.setup.collectives.staggered_calls`), each rank's median, waiting
@@ -57,10 +57,10 @@ def ring_line(rank: int, sizes: tuple[int, int], device: torch.device, rounds: i
     # the small one staggered, as a job's ranks arrive: each rank's own time, waiting included, is a
     # period of a ring that runs one allreduce after another; the mean over the ranks
     held: dict[str, torch.Tensor] = {}  # as a job's ring keeps its buffers
-    small_s = statistics.median(staggered_calls(lambda: ring_allreduce(small, None, get_codec(None), held), rank,
+    small_s = statistics.median(staggered_calls(lambda: allreduce(small, None, get_codec(None), held), rank,
                                                 rounds)[0])
     times = [mean_over_ranks(small_s, device),
-             median_seconds(lambda: ring_allreduce(large, None, get_codec(None), held), big_rounds, sync=dist.barrier)]
+             median_seconds(lambda: allreduce(large, None, get_codec(None), held), big_rounds, sync=dist.barrier)]
     hops, share = 2 * (world - 1), 2 * (world - 1) / world
     per_byte = max(0.0, times[1] - times[0]) / (share * (sizes[1] - sizes[0]))
     return max(0.0, times[0] - share * sizes[0] * per_byte) / hops, per_byte
@@ -68,7 +68,7 @@ def ring_line(rank: int, sizes: tuple[int, int], device: torch.device, rounds: i
 
 def ring_cpu_line(device: torch.device, sizes: tuple[int, int]) -> tuple[float, float, float]:
     """(CPU seconds per step, per byte of its block, seconds of the larger ring) of
-    :func:`pipetrain.strategies.ring.ring_allreduce` over every rank with nothing else running
+    :func:`pipetrain.strategies.ring.allreduce` over every rank with nothing else running
     (:func:`ring_alone`) at two gradient ``sizes`` (bytes): the line of
     :func:`pipetrain.costs.ring_allreduce_cpu_s` through the two, and how long the ``sizes[1]`` one
     took. The line is not straight over all sizes: a block travels in 1 to 16 messages ([Note: chunks]
@@ -82,7 +82,7 @@ def ring_cpu_line(device: torch.device, sizes: tuple[int, int]) -> tuple[float, 
 
 
 def ring_alone(device: torch.device, codec: Codec, nbytes: int) -> tuple[float, float]:
-    """(CPU seconds, seconds) of one :func:`pipetrain.strategies.ring.ring_allreduce` of a float32
+    """(CPU seconds, seconds) of one :func:`pipetrain.strategies.ring.allreduce` of a float32
     gradient of ``nbytes`` with ``codec`` over every rank, nothing else running: calls lined up by a
     barrier after one that warms the ring's buffers up, each rank's median CPU of its whole process
     (gloo's threads included) and median time, each averaged over the ranks. As many calls as fit in
@@ -130,12 +130,12 @@ def pipe_sgd_period(kernel: Callable[[], Any], device: torch.device, codec: Code
 
 
 def _job_ring(device: torch.device, codec: Codec, nbytes: int) -> Callable[[], Any]:
-    """One :func:`pipetrain.strategies.ring.ring_allreduce` of a float32 gradient of ``nbytes`` with
+    """One :func:`pipetrain.strategies.ring.allreduce` of a float32 gradient of ``nbytes`` with
     ``codec`` over every rank, as a call that keeps its buffers between calls, as a job's ring does."""
     world = dist.get_world_size()
     blocks = torch.zeros(world, block_size(nbytes // 4, world, codec.granule), device=device)
     held: dict[str, torch.Tensor] = {}
-    return functools.partial(ring_allreduce, blocks, None, codec, held)
+    return functools.partial(allreduce, blocks, None, codec, held)
 
 
 def _calls(each_s: float, bounds: tuple[int, int]) -> int:

@@ -3,10 +3,13 @@ compute thread works on t+1 .. t+K-1 (Li et al., "Pipe-SGD: A Decentralized Pipe
 for Distributed Deep Net Training", NeurIPS 2018, §3.1 Algorithm 1 and Figure 1c).
 
 The compute thread hands a minibatch's gradient over at ``A``: it is copied out of ``.grad`` into a
-buffer of the synchronizer's own (the next backward writes ``.grad`` again) and queued. The
-communication thread reduces the queued buffers one after the other with our ring allreduce, which
-compresses inside the ring (§3.2, :mod:`pipetrain.strategies.ring`), on a process group only it uses.
-At ``S`` the compute thread waits for the mean and lends it to ``.grad`` as views for the ``U`` step.
+buffer of the synchronizer's own (the next backward writes ``.grad`` again), divided by the worker
+count on the way (the copy's one pass over the gradient; a division after the sum would take another),
+and queued. The communication thread reduces the queued buffers one after the other on a process
+group only it uses: with a codec, by our ring allreduce, which compresses inside the ring (§3.2,
+:mod:`pipetrain.strategies.ring`); without one, by the backend's own ``all_reduce``, which takes less
+CPU ([Note: lossless allreduce] there). At ``S`` the compute thread waits for the mean and lends it to
+``.grad`` as views for the ``U`` step.
 Where the ``A``/``S``/``U`` actions go (the staleness K) is the schedule's business
 (:func:`pipetrain.schedule.generators.stale_sync`); this module only moves gradients.
 
@@ -31,11 +34,12 @@ import torch.distributed as dist
 
 from pipetrain.strategies.base import GradSync, Mailbox, SyncContext, Weights
 from pipetrain.strategies.compression import Codec, get_codec
-from pipetrain.strategies.ring import block_size, ring_allreduce
+from pipetrain.strategies.ring import allreduce, block_size
 
 
 class RingSync(GradSync):
-    """Mean gradients over every worker by a compressed ring allreduce on a communication thread.
+    """Mean gradients over every worker by an allreduce on a communication thread (the compressed ring
+    with a codec).
 
     Args:
         group: a process group of all the data-parallel workers, used by the communication thread only.
@@ -45,8 +49,8 @@ class RingSync(GradSync):
         timeout: seconds ``wait`` gives one sync before failing.
 
     Attributes:
-        ring_seconds: how long each ring allreduce took on the communication thread.
-        ring_spans: per ring allreduce, ``(minibatch, start, end)`` in ``time.perf_counter`` seconds (the
+        ring_seconds: how long each allreduce took on the communication thread.
+        ring_spans: per allreduce, ``(minibatch, start, end)`` in ``time.perf_counter`` seconds (the
             clock of the worker's trace), from taking the job off the queue to the reduced gradient.
     """
 
@@ -70,15 +74,19 @@ class RingSync(GradSync):
 
     # -- compute thread -------------------------------------------------------------------------------
     def start(self, mb: int, weights: Weights) -> None:
-        """Copy ``mb``'s gradient into a buffer of our own, clear ``.grad``, queue the allreduce."""
+        """Copy ``mb``'s gradient divided by the worker count into a buffer of our own (one pass over
+        it: the allreduce's sum is then the mean), clear ``.grad``, queue the allreduce."""
         params = _trainable(weights)
         buf = self._take(params)
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=buf.dtype,
-                                                                            device=buf.device) for p in params]
         assert self._shapes is not None  # set by the first _take
-        n = sum(numel for _, numel in self._shapes)
-        torch.cat(grads, out=buf[:n])
-        for p in params:
+        offset = 0
+        for p, (_, numel) in zip(params, self._shapes):
+            into = buf[offset:offset + numel]
+            if p.grad is None:
+                into.zero_()
+            else:
+                torch.div(p.grad.reshape(-1), self.workers, out=into)
+            offset += numel
             p.grad = None
         event = None
         if self._cuda:
@@ -151,8 +159,8 @@ class RingSync(GradSync):
             self._done.fail(e)
 
     def _reduce(self, buf: torch.Tensor) -> torch.Tensor:
-        self.bytes_sent += ring_allreduce(buf.view(self.workers, self._block), self.group, self.codec, self._workspace)
-        return buf.div_(self.workers)
+        self.bytes_sent += allreduce(buf.view(self.workers, self._block), self.group, self.codec, self._workspace)
+        return buf
 
 
 def _trainable(weights: Weights) -> list[torch.Tensor]:
