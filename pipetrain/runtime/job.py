@@ -78,10 +78,14 @@ def run_rank(cfg: JobConfig, start: Start, parts: list[Part], source: Source) ->
 
 
 def prepare_process(cfg: JobConfig) -> None:
-    """Set this process up as a worker's: malloc keeps freed memory, ``cfg.threads`` torch threads,
-    torch's random generator seeded with the job's seed."""
+    """Set this process up as a worker's: malloc keeps freed memory, ``cfg.threads`` torch threads (and
+    inductor's compilation in one), torch's random generator seeded with the job's seed."""
     keep_freed_memory()  # also under torchrun, which starts the process
     torch.set_num_threads(cfg.threads)
+    if cfg.training.compile:  # the workers share the cores: each compiles in its own process, with no pool of them
+        import torch._inductor.config as inductor  # noqa: PLC0415 - only where compile is asked for
+
+        inductor.compile_threads = 1
     torch.manual_seed(cfg.training.seed)
 
 
