@@ -90,7 +90,8 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     :data:`STAND_IN_STEP_S`, and always for a model on the meta device, which is never run whole), our
     ring's CPU timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under torchrun, whose
     workers this process does not start, no set-up is measured. ``meta`` records the seconds each took
-    (``profile_s``, ``setup_s``)."""
+    (``profile_s``, ``setup_s``; with ``t.compile`` the layers are profiled compiled, and ``compile_s`` is
+    their compilation, timed apart from their step times). The set-up's probes run the eager step."""
     rows = t.batch_size if batch_size is None else batch_size
     threads = run.threads or shared_cores(workers)
     device = workers_device()
@@ -105,7 +106,8 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     try:
         with torch_threads(threads):
             measured = profile_model(t.model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2,
-                                     layer_seconds=PROFILE_LAYER_S, weights=t.weights, seed=t.seed)
+                                     layer_seconds=PROFILE_LAYER_S, weights=t.weights, seed=t.seed,
+                                     compile=t.compile)
             measured.inputs_s, measured.targets_s, measured.both_s = time_batching(t.dataset, rows,
                                                                                    target_key=t.target_key,
                                                                                    collate_fn=t.collate_fn)

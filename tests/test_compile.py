@@ -173,3 +173,16 @@ def test_fused_backward_gives_the_split_backwards_gradients() -> None:
 
     for got, want in zip(grads(fused_backward, True), grads(input_backward, False)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.multiprocess  # inductor runs the C++ compiler
+def test_profiler_times_compiled_layers_and_their_compilation_apart() -> None:
+    net = model()
+    x, y = dataset().tensors
+    profile = pipetrain.profile(net, (x[:BATCH], y[:BATCH]), nn.functional.mse_loss, repeats=2, warmup=1,
+                                compile=True)
+    eager = pipetrain.profile(net, (x[:BATCH], y[:BATCH]), nn.functional.mse_loss, repeats=2, warmup=1)
+    assert profile.meta["compiled"] and "compiled" not in eager.meta
+    step_s = sum(layer.forward_s + layer.backward_s for layer in profile.layers)
+    assert profile.meta["compile_s"] > 10 * step_s  # compiling takes seconds; a step of this MLP, microseconds
+    assert [layer.name for layer in profile.layers] == [layer.name for layer in eager.layers]
