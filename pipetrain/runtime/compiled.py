@@ -17,9 +17,10 @@ module whose class is torch's own, such as the ``nn.Sequential`` a stage of laye
 Weights are graph inputs, never constants: dynamo lifts a module's parameters into the graph's inputs, so
 a stashed weight version or tied copy swapped in by ``functional_call`` runs the same graph on its
 own tensors. Guards recompile a stage a bounded number of times: once when its weights are copies
-(plain tensors) rather than the live parameters (pipedream's stashing, 2bw), once for evaluation
-(no gradients, eval mode), once where data parallelism meets a batch of other shapes (then compiled
-with dynamic shapes). A pipeline runs every minibatch in the first one's shapes.
+(plain tensors) rather than the live parameters (pipedream's stashing, 2bw), once for forwards
+without gradients (evaluation, recompute's first run), once where data parallelism meets a batch of
+other shapes (then compiled with dynamic shapes). A pipeline runs every minibatch in the first one's
+shapes.
 
 The backward is compiled with the forward (AOTAutograd): a compiled region is one autograd node that
 computes its inputs' and its weights' gradients together, so zero-bubble's split backward cannot defer
