@@ -186,3 +186,27 @@ def test_profiler_times_compiled_layers_and_their_compilation_apart() -> None:
     step_s = sum(layer.forward_s + layer.backward_s for layer in profile.layers)
     assert profile.meta["compile_s"] > 10 * step_s  # compiling takes seconds; a step of this MLP, microseconds
     assert [layer.name for layer in profile.layers] == [layer.name for layer in eager.layers]
+
+
+@pytest.mark.multiprocess  # inductor runs the C++ compiler
+def test_a_pipedream_stage_compiles_once_however_many_minibatches() -> None:
+    """The worker's own code path (stashed copies swapped in each update, an input stage's stash of
+    several versions): one graph for its forwards, however many minibatches, with no recompile."""
+    from torch._dynamo.utils import counters
+
+    from pipetrain.config import JobConfig, RunOptions, Training
+    from pipetrain.layout import Layout
+    from pipetrain.registry import as_schedule, as_strategy
+    from pipetrain.runtime.solo import run_stage_alone
+
+    training = Training(model=model(), dataset=dataset(), loss_fn=nn.functional.mse_loss,
+                        optimizer=functools.partial(torch.optim.SGD, lr=LR), batch_size=BATCH, shuffle=False,
+                        compile=True)
+    cfg = JobConfig(training, RunOptions(threads=1), as_strategy("pipeline"), as_schedule("pipedream"),
+                    Layout.pipeline(STAGES))
+    torch._dynamo.reset()
+    counters.clear()
+    records = run_stage_alone(cfg, 0, N_MB)
+    assert sum(text.startswith("F") for text, _, _ in records) == N_MB
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["frames"]["total"] == 1  # compiled once: no guard failed afterwards
