@@ -210,3 +210,17 @@ def test_a_pipedream_stage_compiles_once_however_many_minibatches() -> None:
     assert sum(text.startswith("F") for text, _, _ in records) == N_MB
     assert counters["stats"]["unique_graphs"] == 1
     assert counters["frames"]["total"] == 1  # compiled once: no guard failed afterwards
+
+
+@pytest.mark.multiprocess
+def test_cli_train_compile() -> None:
+    import subprocess
+    import sys
+
+    from launching import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
+                        "examples.mlp_job:data", "--stages", "0,4", "--loss", "mse_loss", "--batch-size", "16",
+                        "--compile"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "final loss" in r.stdout
