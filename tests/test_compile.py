@@ -212,15 +212,22 @@ def test_a_pipedream_stage_compiles_once_however_many_minibatches() -> None:
     assert counters["frames"]["total"] == 1  # compiled once: no guard failed afterwards
 
 
-@pytest.mark.multiprocess
-def test_cli_train_compile() -> None:
-    import subprocess
-    import sys
 
-    from launching import ROOT
+def test_cli_passes_compile_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pipetrain train --compile`` is ``train(compile=True)`` (what that runs is tested above)."""
+    import pipetrain.cli.train as cli_train
+    from pipetrain.cli import build_parser
 
-    r = subprocess.run([sys.executable, "-m", "pipetrain.cli", "train", "examples.mlp_job:model", "--data",
-                        "examples.mlp_job:data", "--stages", "0,4", "--loss", "mse_loss", "--batch-size", "16",
-                        "--compile"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "final loss" in r.stdout
+    class Stop(Exception):
+        pass
+
+    def fake_train(*args: object, **kw: object) -> None:
+        raise Stop(kw["compile"])
+
+    monkeypatch.setattr(cli_train, "train", fake_train)
+    for flags, want in (([], False), (["--compile"], True)):
+        args = build_parser().parse_args(["train", "examples.mlp_job:model", "--data", "examples.mlp_job:data",
+                                          "--stages", "0,4", "--loss", "mse_loss", *flags])
+        with pytest.raises(Stop) as e:
+            cli_train.cmd_train(args)
+        assert e.value.args == (want,)
