@@ -177,7 +177,11 @@ def test_fused_backward_gives_the_split_backwards_gradients() -> None:
 
 @pytest.mark.multiprocess  # inductor runs the C++ compiler
 def test_profiler_times_compiled_layers_and_their_compilation_apart() -> None:
-    net = model()
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    net = nn.Sequential(*model(), *[nn.Tanh() for _ in range(8)])  # more layers sharing code than dynamo caches
     x, y = dataset().tensors
     profile = pipetrain.profile(net, (x[:BATCH], y[:BATCH]), nn.functional.mse_loss, repeats=2, warmup=1,
                                 compile=True)
@@ -186,6 +190,7 @@ def test_profiler_times_compiled_layers_and_their_compilation_apart() -> None:
     step_s = sum(layer.forward_s + layer.backward_s for layer in profile.layers)
     assert profile.meta["compile_s"] > 10 * step_s  # compiling takes seconds; a step of this MLP, microseconds
     assert [layer.name for layer in profile.layers] == [layer.name for layer in eager.layers]
+    assert counters["stats"]["unique_graphs"] >= len(profile.layers)  # none ran eagerly past dynamo's cache limit
 
 
 @pytest.mark.multiprocess  # inductor runs the C++ compiler

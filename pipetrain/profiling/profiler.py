@@ -3,6 +3,7 @@ minibatch building (:func:`time_batching`), and turns a microbatch's profile int
 (:func:`as_minibatch`)."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -99,15 +100,23 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     steps: dict[tuple[Any, ...], tuple[float, int]] = {}  # optimizer (seconds, state bytes) by parameter shapes
     runs = _Runs(repeats, warmup, layer_seconds, optimizer, compile)
     compile_s = 0.0
+    # each layer is a graph of its own, and layers of one kind share their forward's code, whose
+    # graphs dynamo caches up to a limit (8) before running the code eagerly: let every layer compile
+    limit: Any = contextlib.nullcontext()
+    if compile:
+        from torch._dynamo import config as dynamo  # noqa: PLC0415 - seconds to import, only where asked for
+
+        limit = dynamo.patch(recompile_limit=4 * len(layers))
     try:
-        for k in range(len(layers)):
-            last = loss_fn is not None and k == len(layers) - 1
-            head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
-            # the stage lives in this call alone: it is let go before the next layer's is built
-            layer, value, compiling_s = _profile_layer(layer_stage(layers, k, k, source, inputs[0].device),
-                                                       layers.labels[k], value, k > 0, head, runs, slow, steps)
-            measured.append(layer)
-            compile_s += compiling_s
+        with limit:
+            for k in range(len(layers)):
+                last = loss_fn is not None and k == len(layers) - 1
+                head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
+                # the stage lives in this call alone: it is let go before the next layer's is built
+                layer, value, compiling_s = _profile_layer(layer_stage(layers, k, k, source, inputs[0].device),
+                                                           layers.labels[k], value, k > 0, head, runs, slow, steps)
+                measured.append(layer)
+                compile_s += compiling_s
     finally:
         with torch.no_grad():
             for buffer, copy in saved:

@@ -83,9 +83,13 @@ def prepare_process(cfg: JobConfig) -> None:
     keep_freed_memory()  # also under torchrun, which starts the process
     torch.set_num_threads(cfg.threads)
     if cfg.training.compile:  # the workers share the cores: each compiles in its own process, with no pool of them
-        import torch._inductor.config as inductor  # noqa: PLC0415 - only where compile is asked for
+        import torch._dynamo.config as dynamo  # noqa: PLC0415 - only where compile is asked for
+        import torch._inductor.config as inductor  # noqa: PLC0415
 
         inductor.compile_threads = 1
+        # stages of one kind share their forward's code, whose graphs dynamo caches up to a limit before
+        # running it eagerly: room for each stage a process may hold (interleaved) and its few variants
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * cfg.layout.num_stages)
     torch.manual_seed(cfg.training.seed)
 
 

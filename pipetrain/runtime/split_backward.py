@@ -81,6 +81,8 @@ def fused_backward(roots: list[torch.Tensor], grads: list[torch.Tensor],
     given = {id(t) for t in inputs}
     weights = [t for t in _leaves(roots) if id(t) not in given]
     reached = [t for t in inputs if t.requires_grad]
+    if not reached:  # nothing to send back (the input stage): the whole backward waits for W, as uncompiled
+        return [None] * len(inputs), WeightBackward([(list(roots), list(grads), weights)] if weights else [])
     found = torch.autograd.grad(roots, reached + weights, grads, allow_unused=True) if reached + weights else ()
     by_id = dict(zip(map(id, reached), found))
     kept = [(w, g) for w, g in zip(weights, found[len(reached):]) if g is not None]
