@@ -45,7 +45,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
           threads: int | None = None, trace: bool | str | os.PathLike = False, progress: bool = False,
           lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip_grad_norm: float | None = None,
           eval_dataset: Dataset | None = None, metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
-          precision: str = "fp32", recompute: bool = False, log_dir: str | os.PathLike | None = None,
+          precision: str = "fp32", recompute: bool = False, compile: bool = False, log_dir: str | os.PathLike | None = None,
           backend: str = "auto", loader_workers: int = 0, prefetch: int = 2, target_key: TargetKey = DEFAULT_TARGET_KEY,
           collate_fn: Callable[[list[Any]], Any] | None = None, weights: str | os.PathLike | None = None,
           save: str | os.PathLike | None = None, max_steps: int | None = None) -> TrainResult:
@@ -135,6 +135,10 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
             (run without gradients, its output sent on) and its backward, which first runs the forward
             again with the same weights and random state; results are exactly those without it, for an
             extra forward per microbatch (``result.stashed_bytes`` reports what is kept).
+        compile: run every stage (data parallelism: the whole model) through ``torch.compile`` (inductor),
+            for every schedule; the first minibatches pay the compilation, and ``strategy="auto"`` /
+            ``stages="auto"`` profile the compiled layers. A stage that cannot be compiled fails the job
+            with a one-line error naming it (see docs/training.md, "Compiled stages").
         log_dir: write ``metrics.jsonl`` there: one JSON line per update (``"kind": "update"``, its
             ``time`` in wall-clock seconds since this call began) and per evaluation (``"kind": "eval"``);
             ``pipetrain plot DIR`` draws it. With tensorboard installed (``pipetrain[tensorboard]``),
@@ -181,7 +185,7 @@ def train(model: nn.Module, dataset: Dataset, *, loss_fn: Callable[[Any, Any], t
     training = Training(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch_size,
                         epochs=epochs, shuffle=shuffle, seed=seed, lr_scheduler=lr_scheduler,
                         clip_grad_norm=clip_grad_norm, precision=precision, recompute=recompute,
-                        eval_dataset=eval_dataset, metrics=metrics, target_key=target_key, collate_fn=collate_fn,
+                        compile=compile, eval_dataset=eval_dataset, metrics=metrics, target_key=target_key, collate_fn=collate_fn,
                         weights=_path(weights), max_steps=max_steps)
     run = RunOptions(checkpoint_dir=_path(checkpoint_dir), resume=resume or bool(restarted and checkpoint_dir),
                      keep_checkpoints=keep_checkpoints, max_restarts=max_restarts, timeout=timeout,

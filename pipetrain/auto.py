@@ -90,7 +90,8 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     :data:`STAND_IN_STEP_S`, and always for a model on the meta device, which is never run whole), our
     ring's CPU timed unless ``ring_cpu`` is False (only pipe-sgd reads it). Under torchrun, whose
     workers this process does not start, no set-up is measured. ``meta`` records the seconds each took
-    (``profile_s``, ``setup_s``)."""
+    (``profile_s``, ``setup_s``; with ``t.compile`` the layers are profiled compiled, and ``compile_s`` is
+    their compilation, timed apart from their step times). The set-up's probes run the eager step."""
     rows = t.batch_size if batch_size is None else batch_size
     threads = run.threads or shared_cores(workers)
     device = workers_device()
@@ -105,7 +106,8 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
     try:
         with torch_threads(threads):
             measured = profile_model(t.model, tuple(batch), t.loss_fn, optimizer=t.optimizer, repeats=5, warmup=2,
-                                     layer_seconds=PROFILE_LAYER_S, weights=t.weights, seed=t.seed)
+                                     layer_seconds=PROFILE_LAYER_S, weights=t.weights, seed=t.seed,
+                                     compile=t.compile)
             measured.inputs_s, measured.targets_s, measured.both_s = time_batching(t.dataset, rows,
                                                                                    target_key=t.target_key,
                                                                                    collate_fn=t.collate_fn)
@@ -117,7 +119,7 @@ def measured_profile(t: Training, run: RunOptions, workers: int, batch_size: int
                          f"{one_line(e)}; check that the model, the loss and the dataset's samples "
                          "fit (dtype, shape)") from e
     measured.baseline_bytes = baseline_bytes(t, device, threads)
-    measured.meta["profile_s"] = time.perf_counter() - begun
+    measured.meta["profile_s"] = time.perf_counter() - begun - measured.meta.get("compile_s", 0.0)
     if not under_torchrun():
         begun = time.perf_counter()
         step = batch if step_rows is None else first(step_rows)
@@ -191,9 +193,14 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     if len(candidates) > 1:
         chosen.options["simulated_samples_per_s"] = {c.config: r for c, r in zip(candidates, rates)}
     measuring = [measured] if at is measured else [measured, at]
-    phases = {key: sum(p.meta.get(key, 0.0) for p in measuring) for key in ("profile_s", "setup_s")}
+    phases = {key: sum(p.meta.get(key, 0.0) for p in measuring) for key in _phases(t)}
     phases["plan_s"] = time.perf_counter() - begun - sum(phases.values())
     return {"plan": chosen.to_dict(), "predicted": rates[best] or None, "phases": phases}
+
+
+def _phases(t: Training) -> tuple[str, ...]:
+    """The measuring phases ``TrainResult.phases`` reports: compiling the layers apart from profiling them."""
+    return ("profile_s", "compile_s", "setup_s") if t.compile else ("profile_s", "setup_s")
 
 
 def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float | str | None,
@@ -211,7 +218,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
         found = choose_schedule(measured, workers, bandwidth or DEFAULT_BANDWIDTH, t.batch_size, memory=memory,
                                 link=link, minibatches=max(t.epoch_minibatches(1), 1),
                                 recompute=True if t.recompute else None)
-        spent = {key: measured.meta.get(key, 0.0) for key in ("profile_s", "setup_s")}
+        spent = {key: measured.meta.get(key, 0.0) for key in _phases(t)}
         spent["plan_s"] = time.perf_counter() - begun - sum(spent.values())
         return {"choice": found.to_dict(), "phases": spent}
 
@@ -236,6 +243,9 @@ def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | 
         measured = measured_profile(t, run, workers, step_rows=shard)
         if measured.setup is not None:  # what the predictions below are priced with
             print(f"pipetrain: measured set-up: {measured.setup.describe()}", flush=True)
+        if t.compile:
+            print(f"pipetrain: profiled the compiled layers; compiling them took {measured.meta['compile_s']:.1f} s, "
+                  "which no prediction counts", flush=True)
         return choose_strategy(measured, workers, bandwidth, batch_size=t.batch_size, one_machine=one_machine,
                                allow_compression=allow_compression).to_dict()
 

@@ -30,6 +30,7 @@ from pipetrain.planning import Plan
 from pipetrain.registry import Auto, PipelineSchedule, Strategy
 from pipetrain.runtime import checkpoint
 from pipetrain.initialize import check_initializable
+from pipetrain.runtime.compiled import check_compilable
 from pipetrain.runtime.parts import aliases, is_meta
 from pipetrain.runtime.saving import check_save
 from pipetrain.weightfiles import WeightFiles
@@ -57,6 +58,7 @@ class Training:
     clip_grad_norm: float | None = None
     precision: str = "fp32"
     recompute: bool = False
+    compile: bool = False
     eval_dataset: Dataset | None = None
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None
     target_key: TargetKey = DEFAULT_TARGET_KEY
@@ -110,6 +112,10 @@ class Training:
         if not isinstance(self.recompute, bool):
             raise ValueError(f"recompute={self.recompute!r} must be True (keep only each stage's inputs and run the "
                              "forward again before the backward) or False")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r} must be True (each stage runs through torch.compile) or False")
+        if self.compile:
+            check_compilable()
         self._check_evaluation()
 
     def _check_steps(self) -> None:

@@ -78,11 +78,13 @@ class TrainResult:
             live weights and the copies minibatches in flight ran at): 1 without weight stashing, at
             most 2 for ``2bw``.
         phases: seconds the call spent before training, by phase: ``capture_s`` (cutting the model
-            into layers), with ``stages="auto"`` ``profile_s``, ``setup_s`` (the run set-up's probes)
+            into layers), with ``stages="auto"`` ``profile_s``, ``compile_s`` (with ``compile``: compiling
+            the layers to profile them), ``setup_s`` (the run set-up's probes)
             and ``plan_s``; ``memory_s`` (predicting each worker's memory, and measuring the process
             baseline the first time); ``start_s`` (from starting
             the workers until each held its stage) and ``first_update_s`` (from then to the first
-            update), these two where this call started the workers (not under torchrun); with
+            update; with ``compile``, the workers' compiling is in it), these two where this call
+            started the workers (not under torchrun); with
             ``save``, also what it spent after training, ``save_s``: from the last worker beginning to
             write its stage until the model was written.
         saved: where ``save`` wrote the trained model, or None.

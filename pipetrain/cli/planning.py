@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "its first batch-size items are used")
     p.add_argument("--loss", default="cross_entropy", help="with --data: torch.nn.functional name or MODULE:FUNCTION")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per layer (the median is kept)")
+    p.add_argument("--compile", action="store_true",
+                   help="time each layer through torch.compile, as train --compile runs it (compilation timed apart)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer first")
     add_optimizer_options(p)
     p.add_argument("--threads", type=int, default=None, help="torch threads, as each worker will have "
@@ -163,7 +165,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     with torch_threads(threads):
         try:
             profile = profile_model(model, batch, loss_fn, optimizer=optimizer_of(args), repeats=args.repeats,
-                                    warmup=args.warmup)
+                                    warmup=args.warmup, compile=args.compile)
         except RuntimeError as e:
             if not shape:
                 raise
@@ -184,7 +186,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     forward = sum(x.forward_s for x in profile.layers)
     backward = sum(x.backward_s for x in profile.layers)
     print(f"profiled {len(profile)} layers of {profile.model} at batch {profile.batch_size} on {profile.device}: "
-          f"{forward:.4g} s forward, {backward:.4g} s backward per minibatch")
+          f"{forward:.4g} s forward, {backward:.4g} s backward per minibatch"
+          + (f" (compiled; compiling took {profile.meta['compile_s']:.1f} s, not counted)" if args.compile else ""))
     if profile.inputs_s or profile.targets_s:
         print(f"building a minibatch from {args.data}: {profile.inputs_s * 1e3:.3f} ms its inputs, "
               f"{profile.targets_s * 1e3:.3f} ms its targets, {profile.both_s * 1e3:.3f} ms both at once")

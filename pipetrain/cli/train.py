@@ -128,6 +128,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", action="store_true",
                    help="keep only each microbatch's stage inputs until its backward, which runs the forward again "
                         "(same results, less memory, one more forward)")
+    p.add_argument("--compile", action="store_true",
+                   help="run every stage (data parallel: the model) through torch.compile; the first steps compile")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto (NCCL when every worker has a GPU of its own, else gloo), gloo (workers may share a "
                         "GPU) or nccl")
@@ -160,7 +162,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         eval_dataset=call_factory(args.eval_data, "eval-data") if args.eval_data else None,
         metrics=_metrics(args.metrics), lr_scheduler=load_object(args.lr_scheduler) if args.lr_scheduler else None,
         clip_grad_norm=args.clip_grad_norm, precision=args.precision, recompute=args.recompute,
-        log_dir=args.log_dir, backend=args.backend,
+        compile=args.compile, log_dir=args.log_dir, backend=args.backend,
         loader_workers=args.loader_workers, prefetch=args.prefetch, target_key=_target_key(args.target_key),
         collate_fn=load_object(args.collate_fn) if args.collate_fn else None, weights=args.weights, save=args.save,
         max_steps=args.max_steps)

@@ -3,6 +3,7 @@ minibatch building (:func:`time_batching`), and turns a microbatch's profile int
 (:func:`as_minibatch`)."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from pipetrain.batches import DEFAULT_TARGET_KEY, TargetKey, call, collate_parts
 from pipetrain.streams import head
 from pipetrain.layers import LayeredModel
 from pipetrain.profiling.profile import LayerProfile, Profile
+from pipetrain.runtime.compiled import compile_stage
 from pipetrain.runtime.parts import Source, layer_stage
 from pipetrain.stagecode import CodeStage
 
@@ -23,7 +25,7 @@ from pipetrain.stagecode import CodeStage
 def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                   *, optimizer: Callable[..., torch.optim.Optimizer] | None = None, repeats: int = 10,
                   warmup: int = 2, layer_seconds: float | None = None, weights: str | None = None,
-                  seed: int = 0) -> Profile:
+                  seed: int = 0, compile: bool = False) -> Profile:
     """Measure every layer of ``model`` on one minibatch.
 
     Layer k runs alone, as ``LayeredModel(model).stage(k, k)``, on what layer k - 1 returned, so its
@@ -65,6 +67,13 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
         weights: where a layer built on its own reads its tensors (``pipetrain.train``'s ``weights``);
             None: they are initialized.
         seed: the seed of that initialization.
+        compile: time each layer compiled (``train(compile=True)``): its stage runs through
+            ``torch.compile`` (:func:`pipetrain.runtime.compiled.compile_stage`), and one run before the
+            warm-up ones, which compiles its forward and backward, is timed apart: the profile's
+            ``meta["compile_s"]`` adds those up, never a layer's step times. A compiled layer's backward
+            computes its inputs' and weights' gradients in one graph, so its ``weight_backward_s`` is
+            about 0 (what the compiled split backward defers, see
+            :func:`pipetrain.runtime.split_backward.fused_backward`).
 
     Returns:
         The profile, at the batch size and on the device of the input.
@@ -89,22 +98,33 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     measured = []
     slow: set[tuple[Any, ...]] = set()  # the kinds of layers run already that took over layer_seconds
     steps: dict[tuple[Any, ...], tuple[float, int]] = {}  # optimizer (seconds, state bytes) by parameter shapes
-    runs = _Runs(repeats, warmup, layer_seconds, optimizer)
+    runs = _Runs(repeats, warmup, layer_seconds, optimizer, compile)
+    compile_s = 0.0
+    # each layer is a graph of its own, and layers of one kind share their forward's code, whose
+    # graphs dynamo caches up to a limit (8) before running the code eagerly: let every layer compile
+    limit: Any = contextlib.nullcontext()
+    if compile:
+        from torch._dynamo import config as dynamo  # noqa: PLC0415 - seconds to import, only where asked for
+
+        limit = dynamo.patch(recompile_limit=4 * len(layers))
     try:
-        for k in range(len(layers)):
-            last = loss_fn is not None and k == len(layers) - 1
-            head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
-            # the stage lives in this call alone: it is let go before the next layer's is built
-            layer, value = _profile_layer(layer_stage(layers, k, k, source, inputs[0].device), layers.labels[k],
-                                          value, k > 0, head, runs, slow, steps)
-            measured.append(layer)
+        with limit:
+            for k in range(len(layers)):
+                last = loss_fn is not None and k == len(layers) - 1
+                head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
+                # the stage lives in this call alone: it is let go before the next layer's is built
+                layer, value, compiling_s = _profile_layer(layer_stage(layers, k, k, source, inputs[0].device),
+                                                           layers.labels[k], value, k > 0, head, runs, slow, steps)
+                measured.append(layer)
+                compile_s += compiling_s
     finally:
         with torch.no_grad():
             for buffer, copy in saved:
                 buffer.copy_(copy)
     first = inputs[0]
     return Profile(measured, int(first.shape[0]) if first.dim() else 1, str(first.device), type(model).__name__,
-                   _nbytes(inputs), ties=list(layers.tied_layers().values()))
+                   _nbytes(inputs), ties=list(layers.tied_layers().values()),
+                   meta={"compiled": True, "compile_s": compile_s} if compile else {})
 
 
 def as_minibatch(micro: Profile, m: int) -> Profile:
@@ -145,21 +165,29 @@ def time_batching(dataset: Any, rows: int, repeats: int = 3, target_key: TargetK
 
 @dataclass(frozen=True)
 class _Runs:
-    """How :func:`profile_model` runs each layer: its ``repeats``, ``warmup``, ``layer_seconds`` and
-    ``optimizer``."""
+    """How :func:`profile_model` runs each layer: its ``repeats``, ``warmup``, ``layer_seconds``,
+    ``optimizer`` and ``compile``."""
 
     repeats: int
     warmup: int
     seconds: float | None
     optimizer: Callable[..., torch.optim.Optimizer] | None
+    compile: bool = False
 
 
 def _profile_layer(stage: nn.Module, label: str, value: Any, input_grads: bool, head: Callable[[Any], torch.Tensor] | None,
                    runs: _Runs, slow: set[tuple[Any, ...]], steps: dict[tuple[Any, ...], tuple[float, int]]
-                   ) -> tuple[LayerProfile, Any]:
-    """The profile of one layer's ``stage`` run on ``value``, and its output (detached); ``slow`` and
-    ``steps`` carry what earlier layers showed (see :func:`profile_model`'s ``layer_seconds``)."""
+                   ) -> tuple[LayerProfile, Any, float]:
+    """The profile of one layer's ``stage`` run on ``value``, its output (detached) and the seconds its
+    compilation took (0 unless ``runs.compile``); ``slow`` and ``steps`` carry what earlier layers showed
+    (see :func:`profile_model`'s ``layer_seconds``)."""
     kind = _kind(stage, value)
+    compile_s = 0.0
+    if runs.compile:
+        compile_stage(stage, f"layer {label}")
+        began = time.perf_counter()
+        _time_layer(stage, value, input_grads, head, 1, 0)  # its first run compiles: timed apart
+        compile_s = time.perf_counter() - began
     fwd, bwd, weight, out = _time_layer(stage, value, input_grads, head, runs.repeats,
                                         0 if kind in slow else runs.warmup, runs.seconds)
     if runs.seconds is not None and (fwd + bwd) * (runs.warmup + runs.repeats) > runs.seconds:
@@ -174,7 +202,7 @@ def _profile_layer(stage: nn.Module, label: str, value: Any, input_grads: bool, 
     else:
         step = steps[shapes] = _time_optimizer(stage, runs.optimizer, runs.repeats, runs.warmup, runs.seconds)
     return LayerProfile(label, fwd, bwd, _nbytes(out), tensor_bytes(params), step[0], weight, tensor_bytes(trainable),
-                        step[1]), out
+                        step[1]), out, compile_s
 
 
 def _kind(stage: nn.Module, x: Any) -> tuple[Any, ...]:

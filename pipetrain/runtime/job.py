@@ -24,6 +24,7 @@ from tqdm import tqdm
 from pipetrain.batches import epoch_order
 from pipetrain.config import JobConfig
 from pipetrain.runtime import checkpoint, multi, saving
+from pipetrain.runtime.compiled import compile_stage
 from pipetrain.runtime.dist import init_distributed, wire_device
 from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.tied import TiedCopies
@@ -77,25 +78,37 @@ def run_rank(cfg: JobConfig, start: Start, parts: list[Part], source: Source) ->
 
 
 def prepare_process(cfg: JobConfig) -> None:
-    """Set this process up as a worker's: malloc keeps freed memory, ``cfg.threads`` torch threads,
-    torch's random generator seeded with the job's seed."""
+    """Set this process up as a worker's: malloc keeps freed memory, ``cfg.threads`` torch threads (and
+    inductor's compilation in one), torch's random generator seeded with the job's seed."""
     keep_freed_memory()  # also under torchrun, which starts the process
     torch.set_num_threads(cfg.threads)
+    if cfg.training.compile:  # the workers share the cores: each compiles in its own process, with no pool of them
+        import torch._dynamo.config as dynamo  # noqa: PLC0415 - only where compile is asked for
+        import torch._inductor.config as inductor  # noqa: PLC0415
+
+        inductor.compile_threads = 1
+        # stages of one kind share their forward's code, whose graphs dynamo caches up to a limit before
+        # running it eagerly: room for each stage a process may hold (interleaved) and its few variants
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * cfg.layout.num_stages)
     torch.manual_seed(cfg.training.seed)
 
 
 def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Channel, sync: GradSync | None,
                  stage: nn.Module, start: Start = Start(), exchange_ties: bool = True,
-                 aliases: Mapping[str, tuple[str, ...]] | None = None) -> Worker:
+                 aliases: Mapping[str, tuple[str, ...]] | None = None, layers: tuple[int, int] | None = None) -> Worker:
     """``rank``'s worker as the job runs it, around ``stage`` (built on ``device``: its stage, the whole
     model for data parallelism), ``transport`` and ``sync``: its optimizer and weight policy, restored
     from the checkpoint of the epoch ``start`` resumes after, if any, by the model's names, whatever
     the layout that saved it (``aliases``: every name of each tied parameter;
     :mod:`pipetrain.runtime.restore`). For a looped schedule ``rank`` is the stage, as if it had a
     worker of its own. With ``exchange_ties`` False, a stage's copy of a tied parameter trains on its
-    own (a worker run alone, for its timings)."""
+    own (a worker run alone, for its timings). With ``compile`` the stage (its ``layers``, first and
+    last; None: the whole model) is compiled in place before anything wraps it."""
     t, layout = cfg.training, cfg.layout
     stage_idx = layout.stage_of(rank)
+    if t.compile:
+        compile_stage(stage, f"the model ({layout.name(rank)})" if layers is None else
+                      f"stage {stage_idx} (layers {layers[0]}-{layers[1]})")
     tied = TiedCopies(stage, cfg.ties, layout, rank, transport) \
         if exchange_ties and any(stage_idx in tie.stages for tie in cfg.ties) else None
     borrowed = tied.borrowed if tied is not None else set()
@@ -127,7 +140,7 @@ def build_worker(cfg: JobConfig, rank: int, device: torch.device, transport: Cha
                     log=_history_log(rank) if reporter else None, scheduler=scheduler,
                     clip_grad_norm=t.clip_grad_norm, precision=t.precision, recompute=t.recompute,
                     metrics_log=_metrics_log(cfg, rank, start) if cfg.run.log_dir and reporter else None, tied=tied,
-                    fixed_shapes=not cfg.data_parallel)
+                    fixed_shapes=not cfg.data_parallel, compiled=t.compile)
     worker.history = [StepRecord(**h) for h in history]
     worker.footprint.samples = [] if cfg.run.trace else None
     return worker
@@ -162,7 +175,8 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
         key = part.stage if cfg.looped else rank  # a looped stage's Worker runs as rank = its stage
         modules[key] = build(part, source, device)
         channel = multi.StageChannel(transport, part.stage, world) if cfg.looped else transport
-        workers[key] = build_worker(cfg, key, device, channel, sync, modules[key], start, aliases=source.aliases)
+        workers[key] = build_worker(cfg, key, device, channel, sync, modules[key], start, aliases=source.aliases,
+                                    layers=part.layers)
         if cfg.run.loader_workers and part.stage in (0, layout.num_stages - 1):  # a middle stage reads no data
             workers[key].source = Loaders(_recipe(cfg), cfg.run.loader_workers, cfg.run.prefetch, cfg.run.timeout,
                                           pin=device.type == "cuda")

@@ -43,11 +43,13 @@ class Part:
             meta device that :func:`build` gives values.
         values: a safetensors file holding the stage's tensors (each under its first name in
             ``module``), written by the caller; None where the :class:`Source` gives them.
+        layers: the stage's first and last layer, or None for the whole model (data parallelism).
     """
 
     stage: int
     module: nn.Module
     values: str | None = None
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,12 +112,12 @@ class Shipment:
 
     def parts(self, stages: list[tuple[int, int, int]]) -> list[Part]:
         """The parts of a worker holding ``(stage, first layer, last layer)`` each (data parallelism: [])."""
-        out = []
+        out, ranges = [], _ranges(stages)
         for s, module in modules_of(self.layers, self.model, stages):
             if self.directory is not None and s not in self._written:
                 self._written[s] = str(self.directory / f"stage{s}.safetensors")
                 write_shard(Path(self._written[s]), _first_names(module), durable=False)  # read once, then gone
-            out.append(Part(s, meta_copy(module), self._written.get(s)))
+            out.append(Part(s, meta_copy(module), self._written.get(s), ranges.get(s)))
         return out
 
 
@@ -123,7 +125,14 @@ def local_parts(layers: LayeredModel | None, model: nn.Module, stages: list[tupl
                 source: Source) -> list[Part]:
     """The parts of a worker in this very process (under torchrun, or one worker run alone): the caller's
     tensors where it has them, nothing written."""
-    return [Part(s, m if source.ships_tensors else meta_copy(m)) for s, m in modules_of(layers, model, stages)]
+    ranges = _ranges(stages)
+    return [Part(s, m if source.ships_tensors else meta_copy(m), layers=ranges.get(s))
+            for s, m in modules_of(layers, model, stages)]
+
+
+def _ranges(stages: list[tuple[int, int, int]]) -> dict[int, tuple[int, int]]:
+    """stage -> (first layer, last layer) of ``(stage, first, last)`` triples."""
+    return {s: (first, last) for s, first, last in stages}
 
 
 def modules_of(layers: LayeredModel | None, model: nn.Module,

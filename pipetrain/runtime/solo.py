@@ -93,7 +93,8 @@ def run_stage_alone(cfg: JobConfig, stage: int, minibatches: int | None = None, 
         layers = None if job.data_parallel else LayeredModel(job.training.model, job.example())
         source = Source.of(job.training.model, None, t.seed)
         [part] = local_parts(layers, job.training.model, job.stages_of(rank, len(layers)) if layers else [], source)
-        worker = build_worker(job, rank, where, channel, sync, build(part, source, where), exchange_ties=False)
+        worker = build_worker(job, rank, where, channel, sync, build(part, source, where), exchange_ties=False,
+                              layers=part.layers)
         worker.log = None  # no history file, even inside a launched process
         worker.run_epoch(schedule, 0, batches, 0)
     assert worker.trace is not None

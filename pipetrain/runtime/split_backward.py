@@ -13,6 +13,10 @@ the arithmetic of one whole backward, so the two parts give its gradients.
 A weight that several split nodes lead to (a weight used twice in the stage) would be reached again
 through the input path from the first of them; then the weight part runs from the stage's outputs
 instead (exact, at the cost of the input path's backward a second time).
+
+A compiled stage (:mod:`pipetrain.runtime.compiled`) is one graph node whose backward computes every
+gradient at once; running it again for the weights would cost a second whole backward. There
+:func:`fused_backward` takes both parts at ``I`` and ``W`` only adds the kept weights' gradients.
 """
 from __future__ import annotations
 
@@ -67,6 +71,40 @@ def input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor],
         weights = [w for _, _, ws in _weight_groups(starts, shared=True) or [] for w in ws]
         groups = [(list(roots), list(grads), weights)] if weights else []
     return [by_id.get(id(t)) for t in inputs], WeightBackward(groups)
+
+
+def fused_backward(roots: list[torch.Tensor], grads: list[torch.Tensor],
+                   inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightBackward]:
+    """As :func:`input_backward`, for a graph whose nodes compute their inputs' and weights' gradients
+    together (a compiled stage): one backward takes every leaf's gradient now; the weight part only adds
+    the weights' into their ``.grad`` (through autograd, so gradient hooks fire then, as in a backward)."""
+    given = {id(t) for t in inputs}
+    weights = [t for t in _leaves(roots) if id(t) not in given]
+    reached = [t for t in inputs if t.requires_grad]
+    if not reached:  # nothing to send back (the input stage): the whole backward waits for W, as uncompiled
+        return [None] * len(inputs), WeightBackward([(list(roots), list(grads), weights)] if weights else [])
+    found = torch.autograd.grad(roots, reached + weights, grads, allow_unused=True) if reached + weights else ()
+    by_id = dict(zip(map(id, reached), found))
+    kept = [(w, g) for w, g in zip(weights, found[len(reached):]) if g is not None]
+    part = WeightBackward([([w for w, _ in kept], [g for _, g in kept], [w for w, _ in kept])] if kept else [])
+    return [by_id.get(id(t)) for t in inputs], part
+
+
+def _leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every leaf requiring a gradient that ``roots`` reach (a root that is one included), in a fixed order."""
+    out = {id(r): r for r in roots if r.requires_grad and r.grad_fn is None}
+    seen: set[Node] = set()
+    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None:
+            out.setdefault(id(leaf), leaf)
+        stack.extend(f for f, _ in node.next_functions if f is not None)
+    return list(out.values())
 
 
 def _input_path(roots: list[torch.Tensor], inputs: set[int]) -> dict[Node, None]:

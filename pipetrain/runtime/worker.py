@@ -12,14 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 from pipetrain.batches import call, microbatch, shapes_of, tensors_of, to_device
-from pipetrain.errors import one_line
+from pipetrain.errors import PipetrainError, one_line
 from pipetrain.layers import flatten, received, unflatten
 from pipetrain.runtime.footprint import Footprint, saved
 from pipetrain.runtime.recompute import Replay
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.loader import LoadError, Source, Task
 from pipetrain.runtime.logs import MetricsLog, append_json
-from pipetrain.runtime.split_backward import WeightBackward, input_backward
+from pipetrain.runtime.split_backward import WeightBackward, fused_backward, input_backward
 from pipetrain.runtime.transport import Channel, Message
 from pipetrain.runtime.weights import Live
 from pipetrain.schedule import Action, Schedule
@@ -97,6 +97,8 @@ class Worker:
         recompute: keep only a microbatch's inputs between its forward (run without gradients) and its
             backward, which runs the forward again first (:mod:`pipetrain.runtime.recompute`).
         footprint: the bytes it keeps for backwards (:mod:`pipetrain.runtime.footprint`).
+        compiled: the stage runs through ``torch.compile`` (:mod:`pipetrain.runtime.compiled`): a split
+            backward takes both parts at ``I`` (:func:`~pipetrain.runtime.split_backward.fused_backward`).
     """
 
     rank: int
@@ -122,6 +124,7 @@ class Worker:
     fixed_shapes: bool = True
     recompute: bool = False
     footprint: Footprint = field(default_factory=Footprint)
+    compiled: bool = False
     history: list[StepRecord] = field(default_factory=list)
     _flight: dict[tuple[int, int | None], _InFlight] = field(default_factory=dict)
     _inbox: dict[tuple[int, int | None], Message] = field(default_factory=dict)
@@ -389,7 +392,8 @@ class Worker:
         floats = [t for t in f.inputs if t.is_floating_point()]
         with self._blame(f"the backward of minibatch {a.mb}"):
             if a.kind == "I":
-                got, self._weight_parts[key] = input_backward([o for o, _ in pairs], [g for _, g in pairs], floats)
+                split = fused_backward if self.compiled else input_backward
+                got, self._weight_parts[key] = split([o for o, _ in pairs], [g for _, g in pairs], floats)
             else:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -418,7 +422,7 @@ class Worker:
         """Name this worker and ``what`` it was doing in an error of the user's model."""
         try:
             yield
-        except (StageError, NonFiniteLoss):
+        except (StageError, NonFiniteLoss, PipetrainError):  # ours already say where (a stage not compiled)
             raise
         except Exception as e:  # the user's code may raise anything
             raise StageError(f"{self.name}: {what} failed: {one_line(e)}") from e
