@@ -1,0 +1,176 @@
+"""What one worker costs: each strategy on one worker beside a plain PyTorch loop, and a pipeline's time
+outside its work, read off the trace.
+
+    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --model mlp [--repeats 3]
+    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --model vgg
+    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --outside
+
+Ratios: the same model, data (a ``TensorDataset``), SGD and torch threads (``--threads``, default 1),
+the same number of minibatches, trained by a plain loop (``zero_grad``, forward, loss, ``backward``,
+``step`` over a shuffled ``TensorDataset``, in this process) and by ``pipetrain.train`` on one worker:
+a one-stage pipeline (``stages=[0]``) under ``pipedream`` and each flush schedule that runs one stage,
+and ``ddp``, ``pipe-sgd`` and ``cgdp`` with ``workers=1``. The rate is samples/s over the updates after
+the first ``--warmup``, from the update timestamps (``result.history``), the plain loop's timed the same
+way; every configuration runs once per repeat, interleaved, so each sees the same phases of the
+machine, and the table gives the median of ``--repeats`` and the ratio of medians. The plain loop runs
+with the memory allocator setting the workers use (:func:`pipetrain.runtime.launch.keep_freed_memory`),
+so the ratio counts pipetrain's own work, not malloc's. Models: ``mlp`` (784-1024-1024-10, batch 64)
+and ``vgg`` (:func:`pipetrain.zoo.vgg_like`, 32x32 images, batch 8).
+
+``--outside``: a 2-stage MLP pipeline (``interleaved-1f1b``: 4 stages on 2 workers) under each
+schedule, traced. Per worker, over the minibatches after the warm-up, the share of its wall time
+covered by no action (the action loop's own bookkeeping between actions: everything the worker does
+outside forward, backward, the optimizer step and sending or waiting for messages, which are all
+actions), and the time per minibatch.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import pipetrain
+from pipetrain import Interleaved1F1B
+from pipetrain.registry import schedule_of
+from pipetrain.runtime.launch import keep_freed_memory
+from pipetrain.zoo import vgg_like
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
+    # name: (model, one input's shape, batch)
+    "mlp": (lambda: nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                  nn.Linear(1024, 10)), (784,), 64),
+    "vgg": (vgg_like, (3, 32, 32), 8),
+}
+STEPS = {"mlp": 200, "vgg": 40}
+"""Minibatches per run: a few seconds of training each on one core."""
+
+RUNS: dict[str, dict[str, Any]] = {
+    "pipeline pipedream, stages=[0]": dict(stages=[0]),
+    **{f"pipeline {s}, stages=[0]": dict(stages=[0], schedule=s) for s in ("gpipe", "1f1b-flush", "zero-bubble", "2bw")},
+    **{f"{s}, workers=1": dict(strategy=s, workers=1) for s in ("ddp", "pipe-sgd", "cgdp")},
+}
+OUTSIDE: dict[str, dict[str, Any]] = {"pipedream": dict(stages=[0, 2])}
+OUTSIDE.update({s: dict(stages=[0, 2], schedule=schedule_of(s, 4)) for s in ("1f1b-flush", "gpipe", "zero-bubble", "2bw")})
+OUTSIDE["interleaved-1f1b"] = dict(stages=[0, 1, 2, 3], schedule=Interleaved1F1B(workers=2, microbatches=4))
+"""A flush schedule splits each minibatch into 4 microbatches (2bw needs at least one per stage)."""
+COMPUTE = ("F", "B", "I", "W")
+
+
+def model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name][0]()
+
+
+def dataset(name: str, steps: int) -> torch.utils.data.TensorDataset:
+    _, shape, batch = MODELS[name]
+    g = torch.Generator().manual_seed(0)
+    n = batch * steps
+    return torch.utils.data.TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def rate(times: list[float], warmup: int, batch: int) -> float:
+    """Samples/s between the ``warmup``-th update and the last."""
+    kept = times[warmup:]
+    return batch * (len(kept) - 1) / (kept[-1] - kept[0])
+
+
+def plain(name: str, data: torch.utils.data.TensorDataset, threads: int) -> list[float]:
+    """A plain PyTorch loop's update timestamps."""
+    batch = MODELS[name][2]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    net = model(name)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x, y = data.tensors
+    order, times = torch.randperm(len(x)), []
+    for i in range(len(x) // batch):
+        idx = order[i * batch:(i + 1) * batch]
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+        opt.step()
+        times.append(time.perf_counter())
+    torch.set_num_threads(before)
+    return times
+
+
+def train(name: str, data: torch.utils.data.TensorDataset, threads: int, **layout: Any) -> pipetrain.TrainResult:
+    return pipetrain.train(model(name), data, loss_fn=nn.functional.cross_entropy,
+                           optimizer=functools.partial(torch.optim.SGD, lr=0.01), batch_size=MODELS[name][2],
+                           epochs=1, threads=threads, **layout)
+
+
+def ratios(name: str, repeats: int, warmup: int, threads: int) -> None:
+    keep_freed_memory()  # as every worker does: see the module's docstring
+    data, batch = dataset(name, STEPS[name]), MODELS[name][2]
+    runs: dict[str, Callable[[], list[float]]] = {"plain PyTorch loop": lambda: plain(name, data, threads)}
+    for label, layout in RUNS.items():
+        runs[label] = functools.partial(lambda lay: [h["time"] for h in train(name, data, threads, **lay).history],
+                                        layout)
+    rates: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(repeats):  # interleaved: each configuration sees the same phases of the machine
+        for label, run in runs.items():
+            rates[label].append(rate(run(), warmup, batch))
+    base = statistics.median(rates["plain PyTorch loop"])
+    print(f"{name}: batch {batch}, {STEPS[name]} minibatches, rate over the last {STEPS[name] - warmup}, "
+          f"{threads} torch thread(s)")
+    print(f"| run | samples/s (median of {repeats}) | x plain loop | runs |\n|---|---|---|---|")
+    for label, values in rates.items():
+        m = statistics.median(values)
+        print(f"| {label} | {m:.0f} | {m / base:.3f} | {', '.join(f'{v:.0f}' for v in values)} |")
+
+
+def outside(repeats: int, warmup: int, threads: int) -> None:
+    """Per schedule and worker: the share of the worker's steady-state wall time between actions."""
+    steps = STEPS["mlp"]
+    data = dataset("mlp", steps)
+    print(f"mlp, 2 stages ({threads} torch thread(s) per worker), {steps} minibatches, the last {steps - warmup}")
+    print(f"| schedule | worker | ms per minibatch | outside actions (median of {repeats}) | runs |\n"
+          "|---|---|---|---|---|")
+    for schedule, layout in OUTSIDE.items():
+        shares: dict[int, list[float]] = {}
+        step_ms: dict[int, list[float]] = {}
+        for _ in range(repeats):
+            result = train("mlp", data, threads, trace=True, **layout)
+            for rank, trace in enumerate(result.traces):
+                share, per = _outside(trace, warmup)
+                shares.setdefault(rank, []).append(share)
+                step_ms.setdefault(rank, []).append(per * 1e3)
+        for rank in shares:
+            print(f"| {schedule} | {rank} | {statistics.median(step_ms[rank]):.2f} | "
+                  f"{100 * statistics.median(shares[rank]):.2f}% | "
+                  f"{', '.join(f'{100 * s:.2f}%' for s in shares[rank])} |")
+
+
+def _outside(trace: list[tuple[str, float, float]], warmup: int) -> tuple[float, float]:
+    """(share of wall time covered by no action, seconds per minibatch) over the actions after the first
+    ``warmup`` minibatches' updates."""
+    updates = [i for i, (text, _, _) in enumerate(trace) if text.lstrip("0123456789").startswith("U")]
+    first = updates[min(warmup, len(updates) - 1)] + 1
+    kept = trace[first:updates[-1] + 1]
+    wall = kept[-1][2] - kept[0][1]
+    covered = sum(end - start for _, start, end in kept)
+    return (wall - covered) / wall, wall / (len(updates) - 1 - min(warmup, len(updates) - 1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    p.add_argument("--outside", action="store_true", help="the pipeline schedules' time outside actions instead")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=10, help="updates left out of the rate")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the loop and of each worker")
+    args = p.parse_args()
+    if args.outside:
+        outside(args.repeats, args.warmup, args.threads)
+    else:
+        ratios(args.model, args.repeats, args.warmup, args.threads)
+
+
+if __name__ == "__main__":
+    main()
