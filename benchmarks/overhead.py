@@ -59,7 +59,6 @@ OUTSIDE: dict[str, dict[str, Any]] = {"pipedream": dict(stages=[0, 2])}
 OUTSIDE.update({s: dict(stages=[0, 2], schedule=schedule_of(s, 4)) for s in ("1f1b-flush", "gpipe", "zero-bubble", "2bw")})
 OUTSIDE["interleaved-1f1b"] = dict(stages=[0, 1, 2, 3], schedule=Interleaved1F1B(workers=2, microbatches=4))
 """A flush schedule splits each minibatch into 4 microbatches (2bw needs at least one per stage)."""
-COMPUTE = ("F", "B", "I", "W")
 
 
 def model(name: str) -> nn.Module:
@@ -78,6 +77,13 @@ def rate(times: list[float], warmup: int, batch: int) -> float:
     """Samples/s between the ``warmup``-th update and the last."""
     kept = times[warmup:]
     return batch * (len(kept) - 1) / (kept[-1] - kept[0])
+
+
+def typical_rate(times: list[float], warmup: int, batch: int) -> float:
+    """Samples/s at the median time between two updates after the ``warmup``-th: what a step takes
+    when no other process on the machine interrupts it."""
+    kept = times[warmup:]
+    return batch / statistics.median(b - a for a, b in zip(kept, kept[1:]))
 
 
 def plain(name: str, data: torch.utils.data.TensorDataset, threads: int) -> list[float]:
@@ -112,50 +118,69 @@ def ratios(name: str, repeats: int, warmup: int, threads: int) -> None:
     for label, layout in RUNS.items():
         runs[label] = functools.partial(lambda lay: [h["time"] for h in train(name, data, threads, **lay).history],
                                         layout)
+    # the same loop again, last in each round: how far two identical runs differ on this machine
+    runs["plain PyTorch loop, again"] = runs["plain PyTorch loop"]
     rates: dict[str, list[float]] = {label: [] for label in runs}
+    typical: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(repeats):  # interleaved: each configuration sees the same phases of the machine
         for label, run in runs.items():
-            rates[label].append(rate(run(), warmup, batch))
-    base = statistics.median(rates["plain PyTorch loop"])
+            times = run()
+            rates[label].append(rate(times, warmup, batch))
+            typical[label].append(typical_rate(times, warmup, batch))
+    base, typical_base = (statistics.median(r["plain PyTorch loop"]) for r in (rates, typical))
     print(f"{name}: batch {batch}, {STEPS[name]} minibatches, rate over the last {STEPS[name] - warmup}, "
           f"{threads} torch thread(s)")
-    print(f"| run | samples/s (median of {repeats}) | x plain loop | runs |\n|---|---|---|---|")
+    print(f"| run | samples/s (median of {repeats}) | x plain loop | runs | at the median step | x plain loop |\n"
+          "|---|---|---|---|---|---|")
     for label, values in rates.items():
-        m = statistics.median(values)
-        print(f"| {label} | {m:.0f} | {m / base:.3f} | {', '.join(f'{v:.0f}' for v in values)} |")
+        m, t = statistics.median(values), statistics.median(typical[label])
+        print(f"| {label} | {m:.0f} | {m / base:.3f} | {', '.join(f'{v:.0f}' for v in values)} | {t:.0f} | "
+              f"{t / typical_base:.3f} |")
 
 
 def outside(repeats: int, warmup: int, threads: int) -> None:
-    """Per schedule and worker: the share of the worker's steady-state wall time between actions."""
+    """Per schedule and worker: the shares of its steady-state wall time in each kind of action and
+    between actions (medians of ``repeats`` runs)."""
     steps = STEPS["mlp"]
     data = dataset("mlp", steps)
     print(f"mlp, 2 stages ({threads} torch thread(s) per worker), {steps} minibatches, the last {steps - warmup}")
-    print(f"| schedule | worker | ms per minibatch | outside actions (median of {repeats}) | runs |\n"
-          "|---|---|---|---|---|")
+    print(f"| schedule | worker | ms per minibatch | {' | '.join(KINDS)} | outside actions | outside, runs |\n"
+          f"|---|---|---|{'---|' * len(KINDS)}---|---|")
     for schedule, layout in OUTSIDE.items():
-        shares: dict[int, list[float]] = {}
-        step_ms: dict[int, list[float]] = {}
+        runs: dict[int, list[dict[str, float]]] = {}
         for _ in range(repeats):
             result = train("mlp", data, threads, trace=True, **layout)
             for rank, trace in enumerate(result.traces):
-                share, per = _outside(trace, warmup)
-                shares.setdefault(rank, []).append(share)
-                step_ms.setdefault(rank, []).append(per * 1e3)
-        for rank in shares:
-            print(f"| {schedule} | {rank} | {statistics.median(step_ms[rank]):.2f} | "
-                  f"{100 * statistics.median(shares[rank]):.2f}% | "
-                  f"{', '.join(f'{100 * s:.2f}%' for s in shares[rank])} |")
+                runs.setdefault(rank, []).append(shares(trace, warmup))
+        for rank, got in runs.items():
+            med = {k: statistics.median(r[k] for r in got) for k in got[0]}
+            cells = " | ".join(f"{100 * med[k]:.1f}%" for k in KINDS)
+            each = ", ".join(f"{100 * r['outside']:.2f}%" for r in got)
+            print(f"| {schedule} | {rank} | {1e3 * med['step_s']:.2f} | {cells} | {100 * med['outside']:.2f}% | {each} |")
 
 
-def _outside(trace: list[tuple[str, float, float]], warmup: int) -> tuple[float, float]:
-    """(share of wall time covered by no action, seconds per minibatch) over the actions after the first
-    ``warmup`` minibatches' updates."""
-    updates = [i for i, (text, _, _) in enumerate(trace) if text.lstrip("0123456789").startswith("U")]
+KINDS = {"forward, backward": "FBIW", "update": "U", "messages": "SR", "gradient sync": "AS"}
+"""The columns of ``--outside``: action kinds by their text's first letter (``SF``, ``RB``, ... are
+messages; ``S`` alone is a sync)."""
+
+
+def shares(trace: list[tuple[str, float, float]], warmup: int) -> dict[str, float]:
+    """Over the actions after the first ``warmup`` updates: each of :data:`KINDS`' share of the wall
+    time, the share covered by no action (``outside``), and the seconds per minibatch (``step_s``)."""
+    kinds = [text.lstrip("0123456789") for text, _, _ in trace]
+    updates = [i for i, k in enumerate(kinds) if k.startswith("U")]
     first = updates[min(warmup, len(updates) - 1)] + 1
-    kept = trace[first:updates[-1] + 1]
-    wall = kept[-1][2] - kept[0][1]
-    covered = sum(end - start for _, start, end in kept)
-    return (wall - covered) / wall, wall / (len(updates) - 1 - min(warmup, len(updates) - 1))
+    kept = range(first, updates[-1] + 1)
+    wall = trace[kept[-1]][2] - trace[kept[0]][1]
+    out = {label: 0.0 for label in KINDS}
+    for i in kept:
+        k = kinds[i]
+        label = "messages" if k[:2] in ("SF", "SB", "RF", "RB") else \
+            next(name for name, letters in KINDS.items() if k[0] in letters)
+        out[label] += (trace[i][2] - trace[i][1]) / wall
+    out["outside"] = 1 - sum(out.values())
+    out["step_s"] = wall / sum(1 for i in kept if kinds[i].startswith("U"))
+    return out
 
 
 def main() -> None:
