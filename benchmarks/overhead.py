@@ -1,27 +1,30 @@
 """What one worker costs: each strategy on one worker beside a plain PyTorch loop, and a pipeline's time
-outside its work, read off the trace.
+outside its actions, read off the trace.
 
-    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --model mlp [--repeats 3]
-    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --model vgg
-    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --outside
+    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --model mlp   # ~2 min
+    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --model vgg   # ~3 min
+    flock /tmp/pipetrain-bench.lock env PYTHONPATH=$PWD python3 benchmarks/overhead.py --outside     # ~6 min
 
 Ratios: the same model, data (a ``TensorDataset``), SGD and torch threads (``--threads``, default 1),
 the same number of minibatches, trained by a plain loop (``zero_grad``, forward, loss, ``backward``,
 ``step`` over a shuffled ``TensorDataset``, in this process) and by ``pipetrain.train`` on one worker:
-a one-stage pipeline (``stages=[0]``) under ``pipedream`` and each flush schedule that runs one stage,
-and ``ddp``, ``pipe-sgd`` and ``cgdp`` with ``workers=1``. The rate is samples/s over the updates after
-the first ``--warmup``, from the update timestamps (``result.history``), the plain loop's timed the same
-way; every configuration runs once per repeat, interleaved, so each sees the same phases of the
-machine, and the table gives the median of ``--repeats`` and the ratio of medians. The plain loop runs
-with the memory allocator setting the workers use (:func:`pipetrain.runtime.launch.keep_freed_memory`),
-so the ratio counts pipetrain's own work, not malloc's. Models: ``mlp`` (784-1024-1024-10, batch 64)
-and ``vgg`` (:func:`pipetrain.zoo.vgg_like`, 32x32 images, batch 8).
+a one-stage pipeline (``stages=[0]``) under ``pipedream`` and each flush schedule that runs one stage
+(``interleaved-1f1b`` needs 2 workers), and ``ddp``, ``pipe-sgd`` and ``cgdp`` with ``workers=1``. Each
+run's rate is samples/s over the updates after the first ``--warmup``, from the update timestamps
+(``result.history``; the plain loop's are taken the same way), and also at its median time between
+two updates (less moved by other processes). Every configuration runs once per round, interleaved,
+and the plain loop once more at each round's end: the ratio of the two plain loops is how far
+identical runs differ here. Tables give the median of ``--repeats`` rounds and ratios of medians. The
+plain loop runs with the allocator setting the workers use
+(:func:`pipetrain.runtime.launch.keep_freed_memory`), so a ratio counts pipetrain's work, not malloc's.
+Models: ``mlp`` (784-1024-1024-10, batch 64) and ``vgg`` (:func:`pipetrain.zoo.vgg_like`, 32x32
+images, batch 8).
 
-``--outside``: a 2-stage MLP pipeline (``interleaved-1f1b``: 4 stages on 2 workers) under each
-schedule, traced. Per worker, over the minibatches after the warm-up, the share of its wall time
-covered by no action (the action loop's own bookkeeping between actions: everything the worker does
-outside forward, backward, the optimizer step and sending or waiting for messages, which are all
-actions), and the time per minibatch.
+``--outside``: a 2-stage MLP pipeline (``interleaved-1f1b``: 4 stages on 2 workers) under each schedule
+(the flush schedules at 4 microbatches), traced. Per worker, over the minibatches after the warm-up:
+each kind of action's share of its wall time (forward and backward passes, the update, sending and
+waiting for messages) and the share covered by no action: what the worker spends between actions,
+outside all of these.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ OUTSIDE: dict[str, dict[str, Any]] = {"pipedream": dict(stages=[0, 2])}
 OUTSIDE.update({s: dict(stages=[0, 2], schedule=schedule_of(s, 4)) for s in ("1f1b-flush", "gpipe", "zero-bubble", "2bw")})
 OUTSIDE["interleaved-1f1b"] = dict(stages=[0, 1, 2, 3], schedule=Interleaved1F1B(workers=2, microbatches=4))
 """A flush schedule splits each minibatch into 4 microbatches (2bw needs at least one per stage)."""
+OUTSIDE_STEPS = 150
 
 
 def model(name: str) -> nn.Module:
@@ -141,7 +145,7 @@ def ratios(name: str, repeats: int, warmup: int, threads: int) -> None:
 def outside(repeats: int, warmup: int, threads: int) -> None:
     """Per schedule and worker: the shares of its steady-state wall time in each kind of action and
     between actions (medians of ``repeats`` runs)."""
-    steps = STEPS["mlp"]
+    steps = OUTSIDE_STEPS
     data = dataset("mlp", steps)
     print(f"mlp, 2 stages ({threads} torch thread(s) per worker), {steps} minibatches, the last {steps - warmup}")
     print(f"| schedule | worker | ms per minibatch | {' | '.join(KINDS)} | outside actions | outside, runs |\n"
