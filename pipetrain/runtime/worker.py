@@ -5,7 +5,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -474,7 +474,7 @@ class Worker:
                                 self.batch_size / max(now - self._last_step_t, 1e-9), now, self.attempt, lr)
             self.history.append(record)
             if self.log is not None or self.metrics_log is not None:
-                fields = asdict(record)
+                fields = dict(vars(record))  # its fields are scalars (eval comes later): no deep copy
                 if self.log is not None:
                     self.log.append(fields)
                 if self.metrics_log is not None:
