@@ -122,7 +122,7 @@ class MetricsLog:
 
     def _update(self, record: dict[str, Any]) -> None:
         self._lines.append({"kind": "update", **record, "time": record["time"] - self.began,
-                                "total_steps": self.total})
+                            "total_steps": self.total})
         if self.writer is not None:
             step = record["step"]
             self.writer.add_scalar("train/loss", record["loss"], step)
