@@ -131,6 +131,16 @@ def test_resume_continues_exactly(tmp_path) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", [pipetrain.DDP(), pipetrain.PipeSGD(staleness=2), pipetrain.CGDP(chunk=1)],
+                         ids=["ddp", "pipe-sgd", "cgdp"])
+def test_one_worker_keeps_the_update_rule_and_sends_nothing(strategy: pipetrain.registry.Strategy) -> None:
+    """One worker has nothing to agree on, yet trains by its strategy's rule (Pipe-SGD: stale by K-1)."""
+    result = train(strategy, workers=1)
+    assert_same(result, reference(1, strategy.staleness_at(0), 0))
+    assert result.bytes_sent == [0]
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("codec", ["trunc16", "quant8"])
 def test_compressed_ring_trains_and_really_compresses(codec: str) -> None:
     """float32 with a codec: workers end identical (checked by train), the loss falls, the weights

@@ -30,7 +30,7 @@ from pipetrain.runtime.launch import keep_freed_memory
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.tied import edges as tied_edges
 from pipetrain.runtime.loader import Inline, Loaders, Recipe
-from pipetrain.runtime.logs import MetricsLog
+from pipetrain.runtime.logs import JsonLines, MetricsLog
 from pipetrain.runtime.parts import Part, Source, build
 from pipetrain.runtime.restore import load_named, named_state, optimized_names, restore
 from pipetrain.runtime.outcome import RankResult
@@ -221,6 +221,8 @@ def _train(cfg: JobConfig, start: Start, rank: int, device: torch.device, parts:
         bar.close()
     for worker in workers.values():
         worker.source.close()
+        if worker.log is not None:
+            worker.log.close()
         if worker.metrics_log is not None:
             worker.metrics_log.close()
     if sync:
@@ -378,7 +380,7 @@ def _set_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _history_log(rank: int) -> Path | None:
+def _history_log(rank: int) -> JsonLines | None:
     """Where a locally launched reporter streams its history, so a failed run keeps it."""
     workdir = os.environ.get("PIPETRAIN_WORKDIR")
-    return Path(workdir) / f"history{rank}.jsonl" if workdir else None
+    return JsonLines(Path(workdir) / f"history{rank}.jsonl") if workdir else None

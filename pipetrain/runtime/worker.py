@@ -5,8 +5,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from pipetrain.runtime.footprint import Footprint, saved
 from pipetrain.runtime.recompute import Replay
 from pipetrain.runtime.tied import TiedCopies
 from pipetrain.runtime.loader import LoadError, Source, Task
-from pipetrain.runtime.logs import MetricsLog, append_json
+from pipetrain.runtime.logs import JsonLines, MetricsLog
 from pipetrain.runtime.split_backward import WeightBackward, fused_backward, input_backward
 from pipetrain.runtime.transport import Channel, Message
 from pipetrain.runtime.weights import Live
@@ -85,7 +84,7 @@ class Worker:
             parallelism); (0, 1) takes all of it.
         name: how errors name this worker (e.g. ``"stage 1 (rank 1)"``).
         attempt: restarts before this run, recorded in the history.
-        log: a file each history record is also appended to (JSON lines), or None.
+        log: where each history record is also appended (JSON lines), or None.
         scheduler: the learning-rate scheduler stepped after every update, or None.
         clip_grad_norm: before every update, scale this worker's gradients (its stage's, after any
             sync) down to this norm at most; None leaves them.
@@ -115,7 +114,7 @@ class Worker:
     shard: tuple[int, int] = (0, 1)
     name: str = "worker"
     attempt: int = 0
-    log: Path | None = None
+    log: JsonLines | None = None
     scheduler: Any = None
     clip_grad_norm: float | None = None
     precision: str = "fp32"
@@ -363,9 +362,13 @@ class Worker:
         self.footprint.rerun(held.nbytes, time.perf_counter())
 
     def _micro_loss(self, out: Any, target: Any, mb: int) -> torch.Tensor:
-        """A microbatch's share of the minibatch's loss (under autocast with bf16)."""
+        """A microbatch's share of the minibatch's loss (under autocast with bf16); a whole minibatch's
+        loss is not divided by 1, which would add an operation to its forward and backward and change
+        no bit of either."""
+        m = self._sched.microbatches
         with self._autocast():
-            return self._loss(out, target, mb) / self._sched.microbatches
+            loss = self._loss(out, target, mb)
+            return loss / m if m > 1 else loss
 
     def _backward(self, a: Action) -> None:
         """A whole backward (``B``), or its input-gradient part (``I``), whose weight-gradient part
@@ -474,10 +477,12 @@ class Worker:
             record = StepRecord(self._offset + a.mb + 1, self._epoch, self._losses.pop(a.mb), self.batch_size,
                                 self.batch_size / max(now - self._last_step_t, 1e-9), now, self.attempt, lr)
             self.history.append(record)
-            if self.log is not None:
-                append_json(self.log, asdict(record))
-            if self.metrics_log is not None:
-                self.metrics_log.update(asdict(record))
+            if self.log is not None or self.metrics_log is not None:
+                fields = dict(vars(record))  # its fields are scalars (eval comes later): no deep copy
+                if self.log is not None:
+                    self.log.append(fields)
+                if self.metrics_log is not None:
+                    self.metrics_log.update(fields)
             self._last_step_t = now
 
 

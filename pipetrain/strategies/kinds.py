@@ -29,6 +29,7 @@ from pipetrain.schedule.actions import Schedule
 from pipetrain.schedule.kinds import PipeDream, check_count
 from pipetrain.simulate import Link
 from pipetrain.strategies.allreduce import replica_groups
+from pipetrain.strategies.alone import OneWorker
 from pipetrain.strategies.base import GradSync, SyncContext
 from pipetrain.strategies.cgdp import HOST_MEMORY, cgdp, host_bytes
 from pipetrain.strategies.compression import get_codec
@@ -76,7 +77,12 @@ class Strategy:
     summary: ClassVar[str]
 
     def synchronizer(self, ctx: SyncContext) -> GradSync | None:
-        """This worker's gradient synchronizer (collective: every rank calls it), or None."""
+        """This worker's gradient synchronizer (collective: every rank calls it), or None. One
+        data-parallel worker has nothing to agree on (:mod:`pipetrain.strategies.alone`)."""
+        return OneWorker() if ctx.layout.world == 1 else self.shared_sync(ctx)
+
+    def shared_sync(self, ctx: SyncContext) -> GradSync:
+        """The synchronizer of a data-parallel worker among several."""
         raise NotImplementedError
 
     def staleness_at(self, epoch: int) -> int:
@@ -192,7 +198,7 @@ class DDP(_Allreduced):
     name: ClassVar[str] = "ddp"
     summary: ClassVar[str] = "PyTorch DistributedDataParallel: synchronous, allreduce inside the backward"
 
-    def synchronizer(self, ctx: SyncContext) -> GradSync | None:
+    def shared_sync(self, ctx: SyncContext) -> GradSync:
         return ddp(ctx)
 
     def prediction_flags(self) -> dict[str, Any]:
@@ -200,8 +206,9 @@ class DDP(_Allreduced):
         return {"staleness": 1, "own_ring": False, "buckets_in_backward": True}
 
     def sync_bytes(self, gradient_bytes: int, workers: int, device: str) -> int:
-        """DDP's buckets hold a flat copy of every gradient (``gradient_as_bucket_view`` is off)."""
-        return gradient_bytes
+        """DDP's buckets hold a flat copy of every gradient (``gradient_as_bucket_view`` is off); one
+        worker has no DDP."""
+        return gradient_bytes if workers > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -227,7 +234,7 @@ class PipeSGD(_Allreduced):
         check_count(self.warmup_epochs, "warmup_epochs", 0)
         get_codec(self.compression)  # a one-line error naming the codecs
 
-    def synchronizer(self, ctx: SyncContext) -> GradSync | None:
+    def shared_sync(self, ctx: SyncContext) -> GradSync:
         return pipe_sgd(ctx, self.compression)
 
     def prediction_flags(self) -> dict[str, Any]:
@@ -244,8 +251,9 @@ class PipeSGD(_Allreduced):
 
     def sync_bytes(self, gradient_bytes: int, workers: int, device: str) -> int:
         """A flat buffer per minibatch whose gradient is in the ring or lent to ``.grad``: K of them (the
-        ring's receive blocks, 1/p of it, left out)."""
-        return self.staleness * gradient_bytes
+        ring's receive blocks, 1/p of it, left out). One worker sets aside the K-1 gradients taken
+        before their update, not copies."""
+        return (self.staleness if workers > 1 else self.staleness - 1) * gradient_bytes
 
     def check_model(self, model: nn.Module) -> None:
         dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
@@ -279,7 +287,7 @@ class CGDP(Strategy):
             raise ValueError(f"chunk={self.chunk!r}: give the layers per chunk (an integer >= 1) or 'auto' "
                              "(the run-time search)")
 
-    def synchronizer(self, ctx: SyncContext) -> GradSync | None:
+    def shared_sync(self, ctx: SyncContext) -> GradSync:
         return cgdp(ctx, self.chunk)
 
     def cannot_run(self, workers: int, batch_size: int, one_machine: bool) -> str:
@@ -304,8 +312,8 @@ class CGDP(Strategy):
     def sync_bytes(self, gradient_bytes: int, workers: int, device: str) -> int:
         """On the CPU, the pages of the machine's shared gradient memory a worker touches: its own slot, its
         share of the others' slots, and the two sums its ``.grad`` views (its own ``.grad`` is let go into
-        them), about three gradients; on a GPU nothing: that memory is the host's."""
-        return 3 * gradient_bytes if device == "cpu" else 0
+        them), about three gradients; on a GPU nothing: that memory is the host's. One worker uses none."""
+        return 3 * gradient_bytes if device == "cpu" and workers > 1 else 0
 
     def check_host(self, model: nn.Module, local_workers: int) -> None:
         """Room in the machine's shared memory for its workers' gradients."""
