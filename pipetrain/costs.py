@@ -409,6 +409,8 @@ def straggler_s(work_s: Num, jitter_s: float, workers: Num) -> Num:
     cores do not: time slicing makes each one's step take a different time, and a synchronization waits
     for the last of them (the set-up measures how much a step varies: ``jitter_s``).
     """
+    if jitter_s == 0:  # no variation: nothing to wait for, and e_p costs a numerical integral per p
+        return work_s * 0.0 * workers
     return np.vectorize(_expected_max_normal, otypes=[float])(workers) * np.sqrt(jitter_s * work_s)
 
 

@@ -32,6 +32,7 @@ two-level topology, which doubles the table and prices every boundary, take a fe
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +118,7 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
          straight: bool = False, memory: float | str | None = None, workers_per_server: int | None = None,
          intra_bandwidth: float | str | None = None, fewer_workers: bool = False, allreduce: str = "ps",
          source: str | None = None, one_stage: bool = False, recompute: bool = False,
-         schedule: PipelineSchedule | None = None) -> Plan:
+         schedule: PipelineSchedule | None = None, also: Sequence[int] = ()) -> Plan:
     """Partition a profiled model over ``workers`` with PipeDream's dynamic program (§3.2).
 
     Args:
@@ -143,6 +144,11 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
         source: names the profile in error messages (default: its path, or ``profile``).
         one_stage: not the partitioner's choice but every layer as one stage on all ``workers``, priced as
             it prices a stage: data parallelism through the pipeline runtime, for comparing with its choice.
+        also: worker counts below ``workers`` whose best plans (all of each count's workers) come in the
+            result's :attr:`Plan.alternatives`, read from the same table: the suffix table holds every
+            count's optimum, so candidates for fewer workers cost no second solve (counts nothing fits
+            are left out); and, where ``also`` names any, the fewest workers whose plan the partitioner
+            finds as fast as this one.
 
     Returns:
         The plan with the least predicted slowest-stage time (with ``one_stage``, that one stage).
@@ -182,7 +188,15 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
     used, flag = _pick(table, workers, fewer_workers)
     if table.best[0, used, flag] == INF:
         raise ValueError(_infeasible(profile, workers, straight and not fewer_workers, limit, source))
-    return _result(profile, _stages(table, len(profile), used, flag), workers, topo, allreduce, options)
+    chosen = _result(profile, _stages(table, len(profile), used, flag), workers, topo, allreduce, options)
+    if also:  # and the fewest workers as fast in the partitioner's model: a tie the simulator may break
+        also = [*also, _pick(table, workers, True)[0]]
+    for count in sorted({int(c) for c in also if 1 <= c < workers}, reverse=True):
+        c, f = _pick(table, count, False)
+        if table.best[0, c, f] < INF:
+            chosen.alternatives.append(_result(profile, _stages(table, len(profile), c, f), count, topo, allreduce,
+                                               {**options, "workers": count}))
+    return chosen
 
 
 def _result(profile: Profile, stages: list[StagePlan], workers: int, topo: Topology, allreduce: str,

@@ -7,10 +7,13 @@ both, which is what ``stages="auto"`` and ``strategy="auto"`` compare plans by.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 from pipetrain.planning.result import Plan
 from pipetrain.profiling import Profile
+from pipetrain.schedule import Schedule
+from pipetrain.schedule.actions import UPDATE
 from pipetrain.schedule.kinds import PipeDream, PipelineSchedule
 from pipetrain.simresult import SimResult
 from pipetrain.simulate import Link, simulate
@@ -25,6 +28,46 @@ def simulate_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
     return simulate(schedule.build(chosen.replicas, count), profile, chosen.boundaries, link, batch_size), count
 
 
+def window_minibatches(replicas: Sequence[int], minibatches: int = 32) -> int:
+    """Minibatches a steady-state window of a plan simulates: at least ``minibatches``, and four rounds of
+    its most replicated stage beside two per stage to fill and drain, whatever the other stages' counts
+    (see docs/simulator.md, steady state)."""
+    return max(minibatches, 4 * max(replicas) + 2 * len(replicas))
+
+
+def steady_rate(schedule: Schedule, sim: SimResult) -> float:
+    """Minibatches/s of ``sim`` (a run of ``schedule``, e.g. its :meth:`~PipelineSchedule.window`) in its
+    steady state: over the whole rounds of the output stage that end in the middle half of its
+    minibatches, each round ended by the last of its replicas' steps. The fill before and the drain and
+    unsynced partial round after are left out, so the window's count need not be a multiple of any
+    stage's replicas."""
+    last = schedule.num_stages - 1
+    r = schedule.replicas[last]
+    first = schedule.first_worker(last)
+    done: dict[int, float] = {}  # minibatch -> the end of the output stage's step that applied it
+    for w in range(first, first + r):
+        for (_, _, end), a in zip(sim.trace[w], schedule.actions[w]):
+            if a.kind == UPDATE:
+                done[a.mb] = end
+    count = len(done)
+    k1, k2 = -(-count // (4 * r)), min(count // r, 3 * count // (4 * r))
+    if k2 <= k1:
+        return sim.minibatches_per_s
+    ends = [max(done[mb] for mb in range(k * r - r, k * r)) for k in (k1, k2)]
+    return (k2 - k1) * r / (ends[1] - ends[0]) if ends[1] > ends[0] else sim.minibatches_per_s
+
+
+def simulate_steady(profile: Profile, chosen: Plan, link: Link, batch_size: int | None = None,
+                    schedule: PipelineSchedule = PipeDream(), minibatches: int = 32) -> SimResult:
+    """``chosen`` run by ``schedule`` over ``link`` for a window of :func:`window_minibatches`, its rates
+    those of the steady state (:func:`steady_rate`): seconds to simulate whatever its replica counts."""
+    built = schedule.window(chosen.replicas, window_minibatches(chosen.replicas, minibatches))
+    sim = simulate(built, profile, chosen.boundaries, link, batch_size)
+    rate = steady_rate(built, sim)
+    batch = profile.batch_size if batch_size is None else batch_size
+    return replace(sim, minibatches_per_s=rate, samples_per_s=rate * batch if batch > 0 else None)
+
+
 def epoch_rate(sim: SimResult, minibatches: int, batch_size: int) -> float:
     """Samples/s of an epoch of ``minibatches`` as it runs: the pipeline filled at its start and drained at
     its end (samples over the simulated makespan; the runtime runs each epoch so)."""
@@ -35,8 +78,10 @@ def predict_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
                  schedule: PipelineSchedule = PipeDream(), minibatches: int = 32, epoch: bool = False) -> float:
     """Samples/s of ``chosen`` run by ``schedule`` over ``link`` (:func:`simulate_plan`): the steady rate,
     or with ``epoch`` the rate of an epoch as it runs (:func:`epoch_rate`)."""
+    if not epoch:
+        return simulate_steady(profile, chosen, link, batch_size, schedule, minibatches).samples_per_s or 0.0
     sim, count = simulate_plan(profile, chosen, link, batch_size, schedule, minibatches)
-    return epoch_rate(sim, count, batch_size) if epoch else sim.samples_per_s or 0.0
+    return epoch_rate(sim, count, batch_size)
 
 
 def price_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None = None,
@@ -52,3 +97,28 @@ def price_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | Non
     rate = predict_plan(profile, chosen, link, batch, minibatches=minibatches) if batch > 0 else 0.0
     return replace(chosen, samples_per_s=rate, bound=profile.setup is None,
                    options={**chosen.options, "batch_size": batch})
+
+
+def halvings(workers: int) -> list[int]:
+    """``workers`` halved down to one: the counts whose plans :func:`best_plan` weighs against a plan."""
+    return [workers >> k for k in range(1, workers.bit_length())]
+
+
+def best_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None = None,
+              minibatches: int = 32) -> Plan:
+    """The fastest in the simulator's steady state of ``chosen`` and its :attr:`~Plan.alternatives` (plans
+    for fewer workers), priced as :func:`price_plan` prices it; of equally fast ones the fewest workers.
+
+    Why: the partitioner's model (PipeDream §3.2) hides a replicated stage's sync behind its compute and
+    lets its replicas run unsynchronized, while pipetrain's ``pipedream`` schedule syncs every round
+    before a replica's next forward, so a plan with more replicas can run slower than one for fewer
+    workers, and plans the model finds equally fast need not be (docs/planning.md, scaling). Every
+    candidate's simulated minibatches/s is kept in ``options["simulated"]`` and the workers asked for in
+    ``options["asked_workers"]``, so a plan that uses fewer can say so."""
+    plans = [chosen, *chosen.alternatives]
+    rates = [simulate_steady(profile, p, link, batch_size, minibatches=minibatches).minibatches_per_s for p in plans]
+    top = max(rates)
+    best = min((i for i, r in enumerate(rates) if r >= top * (1 - 1e-9)), key=lambda i: plans[i].workers)
+    priced = price_plan(profile, plans[best], link, batch_size, minibatches)
+    return replace(priced, options={**priced.options, "asked_workers": chosen.workers,
+                                    "simulated": {f"{p.workers}:{p.config}": r for p, r in zip(plans, rates)}})

@@ -97,11 +97,11 @@ def _check_split(schedule: Schedule) -> None:
                 fail(w, f"updates at {a} before every W of the minibatches it applies")
 
 
-def _sync_ready(schedule: Schedule, w: int, starts: dict[int, int], waits: dict[int, int]) -> bool:
-    """Worker ``w`` at its k-th sync: every worker of its stage has started its k-th sync."""
+def _sync_ready(schedule: Schedule, w: int, started: dict[tuple[int, int], int], waits: dict[int, int]) -> bool:
+    """Worker ``w`` at its k-th sync: every worker of its stage has started its k-th sync (``started``
+    counts them per (stage, k), so a stage of many replicas is checked in constant time)."""
     s = schedule.stage_of(w)
-    first = schedule.first_worker(s)
-    return all(starts[m] > waits[w] for m in range(first, first + schedule.replicas[s]))
+    return started[(s, waits[w])] == schedule.replicas[s]
 
 
 def validate(schedule: Schedule) -> dict[str, list[int]]:
@@ -119,6 +119,7 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
     pos = [0] * schedule.num_workers
     done: set[tuple[int, Action]] = set()
     starts: dict[int, int] = defaultdict(int)  # worker -> A actions done
+    started: dict[tuple[int, int], int] = defaultdict(int)  # (stage, k) -> workers that did their k-th A
     waits: dict[int, int] = defaultdict(int)  # worker -> S actions done
     in_flight = [set() for _ in acts]  # type: list[set[tuple[int, int | None]]]
     peak = [0] * schedule.num_workers
@@ -134,7 +135,7 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
             if a.kind in (RECV_ACT, RECV_GRAD):
                 if (schedule.peer(w, a), a.counterpart()) not in done:
                     continue
-            if a.kind == SYNC and not _sync_ready(schedule, w, starts, waits):
+            if a.kind == SYNC and not _sync_ready(schedule, w, started, waits):
                 continue
             moved.append((w, a))
         if not moved:
@@ -145,6 +146,7 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
             pos[w] += 1
             steps[w] = t
             if a.kind == START_SYNC:
+                started[(schedule.stage_of(w), starts[w])] += 1
                 starts[w] += 1
             if a.kind == SYNC:
                 waits[w] += 1
