@@ -335,7 +335,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
             chosen = Plan.load(args.plan)
             check_fits(chosen, len(profile), args.plan)
         else:
-            chosen = plan(profile, args.workers, bandwidth, straight=args.straight)
+            chosen = best_plan(profile, plan(profile, args.workers, bandwidth, straight=args.straight,
+                                             also=halvings(args.workers)), Link(bandwidth), args.batch_size)
         boundaries, replicas = chosen.boundaries, chosen.replicas
     chosen_schedule = schedule_of(args.schedule, args.microbatches)
     if (args.looped is not None) != chosen_schedule.looped:

@@ -38,7 +38,8 @@ def window_minibatches(replicas: Sequence[int], minibatches: int = 32) -> int:
 def steady_rate(schedule: Schedule, sim: SimResult) -> float:
     """Minibatches/s of ``sim`` (a run of ``schedule``, e.g. its :meth:`~PipelineSchedule.window`) in its
     steady state: over the whole rounds of the output stage that end in the middle half of its
-    minibatches, each round ended by the last of its replicas' steps. The fill before and the drain and
+    minibatches (as many minibatches as whole rounds of the most replicated stage take, where they fit), each
+    round ended by the last of its replicas' steps. The fill before and the drain and
     unsynced partial round after are left out, so the window's count need not be a multiple of any
     stage's replicas."""
     last = schedule.num_stages - 1
@@ -51,6 +52,9 @@ def steady_rate(schedule: Schedule, sim: SimResult) -> float:
                 done[a.mb] = end
     count = len(done)
     k1, k2 = -(-count // (4 * r)), min(count // r, 3 * count // (4 * r))
+    # whole rounds of the most replicated stage too: the output stage's steps come in its rounds' bursts
+    most = max(schedule.replicas)
+    k2 = max(k2 - (k2 - k1) * r % most // r, k1 + 1) if (k2 - k1) * r >= most else k2
     if k2 <= k1:
         return sim.minibatches_per_s
     ends = [max(done[mb] for mb in range(k * r - r, k * r)) for k in (k1, k2)]
