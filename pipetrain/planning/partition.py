@@ -147,8 +147,8 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
         also: worker counts below ``workers`` whose best plans (all of each count's workers) come in the
             result's :attr:`Plan.alternatives`, read from the same table: the suffix table holds every
             count's optimum, so candidates for fewer workers cost no second solve (counts nothing fits
-            are left out); and, where ``also`` names any, the fewest workers whose plan the partitioner
-            finds as fast as this one.
+            are left out); and, where ``also`` names any, for ``workers`` and each of them the fewest
+            workers whose plan the partitioner finds as fast.
 
     Returns:
         The plan with the least predicted slowest-stage time (with ``one_stage``, that one stage).
@@ -189,8 +189,8 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
     if table.best[0, used, flag] == INF:
         raise ValueError(_infeasible(profile, workers, straight and not fewer_workers, limit, source))
     chosen = _result(profile, _stages(table, len(profile), used, flag), workers, topo, allreduce, options)
-    if also:  # and the fewest workers as fast in the partitioner's model: a tie the simulator may break
-        also = [*also, _pick(table, workers, True)[0]]
+    if also:  # and each count's fewest workers as fast in the partitioner's model: ties the simulator may break
+        also = [_pick(table, c, True)[0] for c in {workers, *(c for c in also if 1 <= c < workers)}] + list(also)
     for count in sorted({int(c) for c in also if 1 <= c < workers}, reverse=True):
         c, f = _pick(table, count, False)
         if table.best[0, c, f] < INF:

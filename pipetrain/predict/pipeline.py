@@ -29,19 +29,20 @@ def simulate_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
 
 
 def window_minibatches(replicas: Sequence[int], minibatches: int = 32) -> int:
-    """Minibatches a steady-state window of a plan simulates: at least ``minibatches``, and four rounds of
-    its most replicated stage beside two per stage to fill and drain, whatever the other stages' counts
+    """Minibatches a steady-state window of a plan simulates: at least ``minibatches``, and ten rounds of its
+    most replicated stage beside six per stage, whatever the other stages' counts: the first half fills
+    the pipeline and lets its rounds settle, :func:`steady_rate` measures at least four rounds of the second
     (see docs/simulator.md, steady state)."""
-    return max(minibatches, 4 * max(replicas) + 2 * len(replicas))
+    return max(minibatches, 10 * max(replicas) + 6 * len(replicas))
 
 
 def steady_rate(schedule: Schedule, sim: SimResult) -> float:
     """Minibatches/s of ``sim`` (a run of ``schedule``, e.g. its :meth:`~PipelineSchedule.window`) in its
-    steady state: over the whole rounds of the output stage that end in the middle half of its
-    minibatches (as many minibatches as whole rounds of the most replicated stage take, where they fit), each
-    round ended by the last of its replicas' steps. The fill before and the drain and
-    unsynced partial round after are left out, so the window's count need not be a multiple of any
-    stage's replicas."""
+    steady state: over whole rounds of the output stage from the middle of its minibatches to a round of
+    the most replicated stage and two per stage before the end, as many minibatches as whole rounds of the
+    most replicated stage (and of NOAM, the input stage's cycle) take where they fit, since the output
+    stage's steps come in their bursts; each round ended by the last of its replicas' steps. The fill before and the drain and unsynced partial rounds
+    after are left out, so the window's count need not be a multiple of any stage's replicas."""
     last = schedule.num_stages - 1
     r = schedule.replicas[last]
     first = schedule.first_worker(last)
@@ -50,11 +51,12 @@ def steady_rate(schedule: Schedule, sim: SimResult) -> float:
         for (_, _, end), a in zip(sim.trace[w], schedule.actions[w]):
             if a.kind == UPDATE:
                 done[a.mb] = end
-    count = len(done)
-    k1, k2 = -(-count // (4 * r)), min(count // r, 3 * count // (4 * r))
-    # whole rounds of the most replicated stage too: the output stage's steps come in its rounds' bursts
-    most = max(schedule.replicas)
-    k2 = max(k2 - (k2 - k1) * r % most // r, k1 + 1) if (k2 - k1) * r >= most else k2
+    count, most = len(done), max(schedule.replicas)
+    k1, k2 = -(-count // (2 * r)), (count - most - 2 * schedule.num_stages) // r
+    for period in (math.lcm(most, schedule.noam), most):  # whole periods of the pattern, where they fit
+        if (k2 - k1) * r >= period:
+            k2 -= (k2 - k1) * r % period // r
+            break
     if k2 <= k1:
         return sim.minibatches_per_s
     ends = [max(done[mb] for mb in range(k * r - r, k * r)) for k in (k1, k2)]

@@ -12,6 +12,7 @@ with the stuck step of each worker in brackets.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, INPUT_GRAD, RECV_ACT, RECV_GRAD, SEND_GRAD, SENDS, START_SYNC, SYNC, UPDATE, WEIGHT_GRAD,
@@ -125,29 +126,38 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
     peak = [0] * schedule.num_workers
     steps = [0] * schedule.num_workers
     t = 0
-    while any(p < len(a) for p, a in zip(pos, acts)):
+    # only a worker that moved, or whose awaited message or sync start has come, can move next round: the
+    # rest are not looked at again, so a round costs what moves in it, not the whole world
+    active = {w for w, a in enumerate(acts) if a}
+    asleep: dict[Any, list[int]] = defaultdict(list)  # what a blocked worker waits for -> the workers
+    while active or any(p < len(a) for p, a in zip(pos, acts)):  # none active and some left: a deadlock
         t += 1
         moved = []
-        for w, a_list in enumerate(acts):
-            if pos[w] >= len(a_list):
-                continue
-            a = a_list[pos[w]]
-            if a.kind in (RECV_ACT, RECV_GRAD):
-                if (schedule.peer(w, a), a.counterpart()) not in done:
-                    continue
-            if a.kind == SYNC and not _sync_ready(schedule, w, started, waits):
-                continue
-            moved.append((w, a))
+        for w in sorted(active):
+            a = acts[w][pos[w]]
+            if a.kind in (RECV_ACT, RECV_GRAD) and (key := (schedule.peer(w, a), a.counterpart())) not in done:
+                asleep[key].append(w)
+            elif a.kind == SYNC and not _sync_ready(schedule, w, started, waits):
+                asleep[(schedule.stage_of(w), waits[w])].append(w)
+            else:
+                moved.append((w, a))
         if not moved:
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks at round {t}; stuck steps in []:\n"
                                 + _grid(schedule, pos))
+        active = set()
         for w, a in moved:
             done.add((w, a))
+            active.update(asleep.pop((w, a), ()))
             pos[w] += 1
             steps[w] = t
+            if pos[w] < len(acts[w]):
+                active.add(w)
             if a.kind == START_SYNC:
-                started[(schedule.stage_of(w), starts[w])] += 1
+                key = (schedule.stage_of(w), starts[w])
+                started[key] += 1
                 starts[w] += 1
+                if started[key] == schedule.replicas[key[0]]:
+                    active.update(asleep.pop(key, ()))
             if a.kind == SYNC:
                 waits[w] += 1
             if a.kind == FORWARD and a.micro in (None, 0):
