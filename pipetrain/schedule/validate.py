@@ -135,8 +135,9 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
         moved = []
         for w in sorted(active):
             a = acts[w][pos[w]]
-            if a.kind in (RECV_ACT, RECV_GRAD) and (key := (schedule.peer(w, a), a.counterpart())) not in done:
-                asleep[key].append(w)
+            sent = (schedule.peer(w, a), a.counterpart()) if a.kind in (RECV_ACT, RECV_GRAD) else None
+            if sent is not None and sent not in done:
+                asleep[sent].append(w)
             elif a.kind == SYNC and not _sync_ready(schedule, w, started, waits):
                 asleep[(schedule.stage_of(w), waits[w])].append(w)
             else:
@@ -153,11 +154,11 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
             if pos[w] < len(acts[w]):
                 active.add(w)
             if a.kind == START_SYNC:
-                key = (schedule.stage_of(w), starts[w])
-                started[key] += 1
+                stage = schedule.stage_of(w)
+                started[(stage, starts[w])] += 1
+                if started[(stage, starts[w])] == schedule.replicas[stage]:
+                    active.update(asleep.pop((stage, starts[w]), ()))
                 starts[w] += 1
-                if started[key] == schedule.replicas[key[0]]:
-                    active.update(asleep.pop(key, ()))
             if a.kind == SYNC:
                 waits[w] += 1
             if a.kind == FORWARD and a.micro in (None, 0):
