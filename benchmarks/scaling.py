@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default=",".join(map(str, WORKERS)))
     parser.add_argument("--bandwidths", default=",".join(BANDWIDTHS))
     parser.add_argument("--jsonl", help="append each point as a JSON line to this file")
+    parser.add_argument("--table", metavar="JSONL", help="only print the grid of points an earlier --jsonl holds")
     args = parser.parse_args(argv)
+    if args.table:
+        rows = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
+        grid(rows)
+        summarize(rows)
+        return 0
     counts = sorted(int(w) for w in args.workers.split(","))
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, {platform.processor() or 'cpu'}")
     print("| profile | link | workers | plan (workers used) | printed mb/s | 2x window | partitioner's 1/period "
@@ -88,6 +94,20 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'yes' if row['holds'] else 'NO'} | {row['plan_s']:.1f} |", flush=True)
     summarize(rows)
     return 0
+
+
+def grid(rows: list[dict[str, Any]]) -> None:
+    """One line per profile and link: each worker count's printed minibatches/s (workers used, where
+    fewer), and the planner's slowest time."""
+    counts = sorted({r["workers"] for r in rows})
+    print("| profile | link | " + " | ".join(map(str, counts)) + " | planner s (max) |")
+    print("|---|---|" + "---|" * len(counts) + "---|")
+    keys = dict.fromkeys((r["profile"], r["bandwidth"]) for r in rows)
+    for name, bandwidth in keys:
+        mine = {r["workers"]: r for r in rows if (r["profile"], r["bandwidth"]) == (name, bandwidth)}
+        cells = [f"{mine[c]['printed']:.1f}" + (f" ({mine[c]['used']})" if mine[c]["used"] < c else "")
+                 + ("" if mine[c]["holds"] else " NO") if c in mine else "-" for c in counts]
+        print(f"| {name} | {bandwidth} | " + " | ".join(cells) + f" | {max(r['plan_s'] for r in mine.values()):.1f} |")
 
 
 def summarize(rows: list[dict[str, Any]]) -> None:
