@@ -4,8 +4,9 @@
         [--bandwidths 1Gbit,10Gbit,25Gbit] [--jsonl F]
 
 For each PipeDream profile (default: the ones shipped in ``pipetrain/data/pipedream``), link and worker
-count, the planner runs as ``pipetrain plan`` runs it: the partitioner (PipeDream §3.2) solves once and
-proposes its plan, its tie for fewer workers and its plans for each halving of the workers; the simulator
+count, the planner runs as ``pipetrain plan`` runs it: the partitioner (PipeDream §3.2) proposes its plan,
+its plans for each halving of the workers and their ties for fewer workers, from its paper's model and
+from one whose replicated stages add their sync to their compute (two solves); the simulator
 prices each in a steady-state window and the fastest (of equal ones the fewest workers) is the plan, its
 rate the figure printed. Per point the script reports:
 
@@ -28,8 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pipetrain.planning import parse_bandwidth, plan
-from pipetrain.predict.pipeline import best_plan, halvings, simulate_steady, window_minibatches
+from pipetrain.planning import parse_bandwidth
+from pipetrain.predict.pipeline import best_plan, propose, simulate_steady, window_minibatches
 from pipetrain.profiling import Profile
 from pipetrain.simulate import Link
 
@@ -42,7 +43,7 @@ def point(profile: Profile, workers: int, bandwidth: str) -> dict[str, Any]:
     """One grid point: the plan, its printed rate, the rate of a window twice as long, the partitioner's."""
     link = Link(parse_bandwidth(bandwidth))
     begun = time.perf_counter()
-    found = plan(profile, workers, bandwidth, also=halvings(workers))
+    found = propose(profile, workers, bandwidth)
     chosen = best_plan(profile, found, link)
     plan_s = time.perf_counter() - begun
     printed = chosen.options["simulated"][f"{chosen.workers}:{chosen.config}"]

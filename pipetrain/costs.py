@@ -45,7 +45,7 @@ def dp_sync_bytes(parameter_bytes: Num, replicas: Num, algorithm: str = "ps") ->
     return factor * (replicas - 1) * parameter_bytes / replicas
 
 
-def stage_time(compute_s: Num, sync_s: Num, replicas: Num) -> Num:
+def stage_time(compute_s: Num, sync_s: Num, replicas: Num, overlap: bool = True) -> Num:
     """T(i -> j, m) = max(sum of T_l, sum of W_l^m) / m, PipeDream §3.2.
 
     The seconds per minibatch of a stage of layers i..j replicated on m workers: the replicas take
@@ -58,8 +58,11 @@ def stage_time(compute_s: Num, sync_s: Num, replicas: Num) -> Num:
         sync_s: sum over the stage's layers of weight-sync seconds (W_l^m), i.e.
             ``dp_sync_bytes(...) / bandwidth``.
         replicas: m.
+        overlap: False (ours) for ``(compute + sync) / m``: pipetrain's ``pipedream`` schedule syncs a
+            replicated stage every round before a replica's next forward, so the sync adds to the compute
+            (docs/planning.md, many workers).
     """
-    return np.maximum(compute_s, sync_s) / replicas
+    return (np.maximum(compute_s, sync_s) if overlap else compute_s + sync_s) / replicas
 
 
 def boundary_time(cut_bytes: Num, bandwidth: Num | float, latency_s: float = 0.0) -> Num:

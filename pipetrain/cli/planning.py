@@ -15,11 +15,11 @@ from pipetrain.cli.common import (
 )
 from pipetrain.errors import one_line
 from pipetrain.layers import split_points
-from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
+from pipetrain.planning import Plan, check_fits, parse_bandwidth
 from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.schedules import choose_schedule
 from pipetrain.planning.units import format_bandwidth
-from pipetrain.predict.pipeline import best_plan, halvings, steady_rate, window_minibatches
+from pipetrain.predict.pipeline import best_plan, propose, steady_rate, window_minibatches
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, Auto, Strategy, as_strategy, make, schedule_of
 from pipetrain.setup import measure_setup, model_step
@@ -201,10 +201,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
         return _choose(args, profile)
     if args.schedules is not None:
         return _schedules(args, profile)
-    result = plan(profile, args.workers, args.bandwidth, straight=args.straight, memory=args.memory,
-                  workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
-                  fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile,
-                  recompute=args.recompute, also=halvings(args.workers))
+    result = propose(profile, args.workers, args.bandwidth, straight=args.straight, memory=args.memory,
+                     workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
+                     fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile,
+                     recompute=args.recompute)
     result = best_plan(profile, result, Link(parse_bandwidth(args.bandwidth)), args.batch_size)
     if args.output:
         result.save(args.output)
@@ -335,8 +335,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
             chosen = Plan.load(args.plan)
             check_fits(chosen, len(profile), args.plan)
         else:
-            chosen = best_plan(profile, plan(profile, args.workers, bandwidth, straight=args.straight,
-                                             also=halvings(args.workers)), Link(bandwidth), args.batch_size)
+            chosen = best_plan(profile, propose(profile, args.workers, bandwidth, straight=args.straight),
+                               Link(bandwidth), args.batch_size)
         boundaries, replicas = chosen.boundaries, chosen.replicas
     chosen_schedule = schedule_of(args.schedule, args.microbatches)
     if (args.looped is not None) != chosen_schedule.looped:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
+from pipetrain.planning.partition import plan
 from pipetrain.planning.result import Plan
 from pipetrain.profiling import Profile
 from pipetrain.schedule import Schedule
@@ -105,6 +107,29 @@ def price_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | Non
                    options={**chosen.options, "batch_size": batch})
 
 
+def propose(profile: Profile, workers: int, bandwidth: float | str, **options: Any) -> Plan:
+    """The partitioner's plan for ``workers`` (PipeDream §3.2, ``plan(profile, workers, bandwidth,
+    **options)``), with :attr:`~Plan.alternatives` for :func:`best_plan` to weigh: its plans for each
+    halving of the workers and their ties, and the same from the model whose replicated stages add their
+    sync to their compute, as pipetrain's schedule runs them (``sync_overlaps=False``): two solves."""
+    found = plan(profile, workers, bandwidth, also=halvings(workers), **options)
+    added = plan(profile, workers, bandwidth, also=halvings(workers), sync_overlaps=False, **options)
+    found.alternatives += [added, *added.alternatives]
+    return found
+
+
+BOUND_SLACK = 1.05
+"""How far a plan's simulated rate may exceed :func:`_bound` before skipping it could lose the best."""
+
+
+def _bound(chosen: Plan) -> float:
+    """Minibatches/s no run of ``chosen`` beats: each replica of a stage computes, then waits at least
+    its sync (or, as §3.2 prices it, the larger of the two), r of them per round; boundaries left out,
+    since the simulator's links are duplex where the partitioner charges 2 C."""
+    slowest = max(s.time_s for s in chosen.stages)
+    return 1 / slowest if slowest > 0 else math.inf
+
+
 def halvings(workers: int) -> list[int]:
     """``workers`` halved down to one: the counts whose plans :func:`best_plan` weighs against a plan."""
     return [workers >> k for k in range(1, workers.bit_length())]
@@ -119,12 +144,19 @@ def best_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None
     lets its replicas run unsynchronized, while pipetrain's ``pipedream`` schedule syncs every round
     before a replica's next forward, so a plan with more replicas can run slower than one for fewer
     workers, and plans the model finds equally fast need not be (docs/planning.md, scaling). Every
-    candidate's simulated minibatches/s is kept in ``options["simulated"]`` and the workers asked for in
+    candidate's simulated minibatches/s (0 for one skipped as no faster than its bound) is kept in ``options["simulated"]`` and the workers asked for in
     ``options["asked_workers"]``, so a plan that uses fewer can say so."""
-    plans = [chosen, *chosen.alternatives]
-    rates = [simulate_steady(profile, p, link, batch_size, minibatches=minibatches).minibatches_per_s for p in plans]
+    plans = list({(p.workers, p.config, tuple(p.boundaries)): p for p in [chosen, *chosen.alternatives]}.values())
+    plans.sort(key=lambda p: (-_bound(p), p.workers))
+    rates: list[float] = []
+    for p in plans:  # a plan whose bound is below the best rate found cannot win: not simulated (rate 0)
+        top = max(rates, default=0.0)
+        rates.append(simulate_steady(profile, p, link, batch_size, minibatches=minibatches).minibatches_per_s
+                     if _bound(p) * BOUND_SLACK >= top * (1 - 1e-9) else 0.0)
     top = max(rates)
     best = min((i for i, r in enumerate(rates) if r >= top * (1 - 1e-9)), key=lambda i: plans[i].workers)
-    priced = price_plan(profile, plans[best], link, batch_size, minibatches)
+    batch = batch_size or profile.batch_size
+    priced = replace(plans[best], samples_per_s=rates[best] * batch if batch > 0 else 0.0,
+                     bound=profile.setup is None, options={**plans[best].options, "batch_size": batch})
     return replace(priced, options={**priced.options, "asked_workers": chosen.workers,
                                     "simulated": {f"{p.workers}:{p.config}": r for p, r in zip(plans, rates)}})
