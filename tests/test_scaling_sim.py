@@ -37,7 +37,7 @@ def test_three_replicas_pay_their_sync_after_compute():
     their gradients at 3 and 4 (stage 1 takes one minibatch per second), end B1 at 5 and B2 at 6; the sync
     runs [6,9], every replica updates at 9. From then each round is F (1) + B (2) + sync (3) = 6 s for 3
     minibatches, the gradients of round k+1 having arrived meanwhile: 0.5 minibatches/s, (c + s) / r per
-    minibatch. The paper's T = max(c, s) / r = 1 s predicts 1 minibatch/s."""
+    minibatch (``stage_time(..., overlap=False)``). The paper's T = max(c, s) / r = 1 s predicts 1/s."""
     profile = layers((1.0, 2.0), (0.5, 0.5))
     sched = PipeDream().build([3, 1], 30)
     sim = simulate(sched, profile, [0, 1], Link(), update_s=0.0, sync_s=[3.0, 0.0])
@@ -46,6 +46,7 @@ def test_three_replicas_pay_their_sync_after_compute():
     assert updates(sim, 0)[:3] == [9.0, 15.0, 21.0]
     assert steady_rate(sched, sim) == pytest.approx(0.5, rel=1e-12)
     assert 1 / stage_time(3.0, 3.0, 3) == pytest.approx(1.0)
+    assert 1 / stage_time(3.0, 3.0, 3, overlap=False) == pytest.approx(0.5)  # the sync added, as simulated
 
 
 def test_two_replicas_wait_for_the_stage_behind_them():

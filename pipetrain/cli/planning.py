@@ -281,7 +281,8 @@ def describe(result: Plan, profile: Profile) -> str:
         send = f"{s.boundary_s:10.4g}" if k < len(result.stages) - 1 else f"{'-':>10}"
         lines.append(f"  {k:>5}  {f'{s.first_layer}-{s.last_layer}':<9} {s.replicas:>8}  {s.time_s:<9.4g}  {send}  "
                      f"{_short(first)} .. {_short(last)}")
-    lines.append(f"partitioner's model (PipeDream §3.2, syncs hidden behind compute): {result.stage_time_s:.4g} s per "
+    model = "syncs hidden behind compute" if o.get("sync_overlaps", True) else "each sync added to its stage's compute"
+    lines.append(f"partitioner's model (PipeDream §3.2, {model}): {result.stage_time_s:.4g} s per "
                  f"minibatch at the slowest stage or boundary, {result.speedup_vs_one:.2f}x one worker, "
                  f"{result.speedup_vs_dp:.2f}x data parallelism on {o['workers']} workers")
     lines.append(_price_line(result))

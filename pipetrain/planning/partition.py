@@ -184,7 +184,8 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
                                "workers_per_server": workers_per_server,
                                "intra_bandwidth": None if intra_bandwidth is None else topo.intra_bandwidth,
                                "fewer_workers": fewer_workers, "allreduce": allreduce, "profile": source,
-                               "model": profile.model, "batch_size": profile.batch_size, "recompute": recompute}
+                               "model": profile.model, "batch_size": profile.batch_size, "recompute": recompute,
+                               "sync_overlaps": sync_overlaps}
     if one_stage:
         return _result(profile, [_one_stage(profile, workers, topo, allreduce)], workers, topo, allreduce, options)
     table = _solve(profile, workers, topo, straight, memory_model, allreduce, sync_overlaps)

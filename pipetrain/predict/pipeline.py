@@ -146,7 +146,10 @@ def best_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None
     workers, and plans the model finds equally fast need not be (docs/planning.md, scaling). Every
     candidate's simulated minibatches/s (0 for one skipped as no faster than its bound) is kept in ``options["simulated"]`` and the workers asked for in
     ``options["asked_workers"]``, so a plan that uses fewer can say so."""
-    plans = list({(p.workers, p.config, tuple(p.boundaries)): p for p in [chosen, *chosen.alternatives]}.values())
+    unique: dict[tuple[int, str, tuple[int, ...]], Plan] = {}
+    for p in [chosen, *chosen.alternatives]:  # of two models' same plan, the first's (the paper's) figures
+        unique.setdefault((p.workers, p.config, tuple(p.boundaries)), p)
+    plans = list(unique.values())
     plans.sort(key=lambda p: (-_bound(p), p.workers))
     rates: list[float] = []
     for p in plans:  # a plan whose bound is below the best rate found cannot win: not simulated (rate 0)
