@@ -45,7 +45,7 @@ def dp_sync_bytes(parameter_bytes: Num, replicas: Num, algorithm: str = "ps") ->
     return factor * (replicas - 1) * parameter_bytes / replicas
 
 
-def stage_time(compute_s: Num, sync_s: Num, replicas: Num) -> Num:
+def stage_time(compute_s: Num, sync_s: Num, replicas: Num, overlap: bool = True) -> Num:
     """T(i -> j, m) = max(sum of T_l, sum of W_l^m) / m, PipeDream §3.2.
 
     The seconds per minibatch of a stage of layers i..j replicated on m workers: the replicas take
@@ -58,8 +58,11 @@ def stage_time(compute_s: Num, sync_s: Num, replicas: Num) -> Num:
         sync_s: sum over the stage's layers of weight-sync seconds (W_l^m), i.e.
             ``dp_sync_bytes(...) / bandwidth``.
         replicas: m.
+        overlap: False (ours) for ``(compute + sync) / m``: pipetrain's ``pipedream`` schedule syncs a
+            replicated stage every round before a replica's next forward, so the sync adds to the compute
+            (docs/planning.md, many workers).
     """
-    return np.maximum(compute_s, sync_s) / replicas
+    return (np.maximum(compute_s, sync_s) if overlap else compute_s + sync_s) / replicas
 
 
 def boundary_time(cut_bytes: Num, bandwidth: Num | float, latency_s: float = 0.0) -> Num:
@@ -409,6 +412,8 @@ def straggler_s(work_s: Num, jitter_s: float, workers: Num) -> Num:
     cores do not: time slicing makes each one's step take a different time, and a synchronization waits
     for the last of them (the set-up measures how much a step varies: ``jitter_s``).
     """
+    if jitter_s == 0:  # no variation: nothing to wait for, and e_p costs a numerical integral per p
+        return work_s * 0.0 * workers
     return np.vectorize(_expected_max_normal, otypes=[float])(workers) * np.sqrt(jitter_s * work_s)
 
 

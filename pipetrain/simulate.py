@@ -464,6 +464,8 @@ def _minibatches_per_s(schedule: Schedule, update_end: list[list[float]], last_b
     w = schedule.first_worker(last)
     drained = sum(t >= last_backward[w] for t in update_end[w])
     steps = update_end[w][:len(update_end[w]) - max(0, drained - 1)]
+    if not schedule.sharded and schedule.replicas[last] > 1:  # a window's partial last round updates unsynced
+        steps = steps[:sum(a.kind == SYNC for a in schedule.actions[w])]
     if len(steps) >= 2 and steps[-1] > steps[0]:
         # one step of a replicated stage applies the minibatches of all its replicas (of a sharded
         # stage, one minibatch split over them)

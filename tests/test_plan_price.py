@@ -35,6 +35,7 @@ def four_layers(tmp_path: Path, measured: bool) -> Path:
 @pytest.mark.parametrize("source, workers, bandwidth, batch", [
     ("vgg16", 4, "1Gbit", ["--batch-size", "64"]),  # a pipeline of several stages, PipeDream's profile
     ("vgg16", 2, "100Gbit", ["--batch-size", "64"]),  # one stage on every worker
+    ("vgg16", 64, "10Gbit", ["--batch-size", "64"]),  # replicated stages, no window a multiple of them all
     ("measured", 2, "10Gbit", []),  # the run set-up prices messages, syncs and shared cores
     ("unmeasured", 2, "10Gbit", []),
 ])

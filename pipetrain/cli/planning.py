@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,11 +15,11 @@ from pipetrain.cli.common import (
 )
 from pipetrain.errors import one_line
 from pipetrain.layers import split_points
-from pipetrain.planning import Plan, check_fits, parse_bandwidth, plan
+from pipetrain.planning import Plan, check_fits, parse_bandwidth
 from pipetrain.planning.choose import CANDIDATES, choose_strategy
 from pipetrain.planning.schedules import choose_schedule
 from pipetrain.planning.units import format_bandwidth
-from pipetrain.predict.pipeline import price_plan
+from pipetrain.predict.pipeline import best_plan, propose, steady_rate, window_minibatches
 from pipetrain.profiling import Profile, profile_model, time_batching
 from pipetrain.registry import DEFAULT_SCHEDULE, SCHEDULES, Auto, Strategy, as_strategy, make, schedule_of
 from pipetrain.setup import measure_setup, model_step
@@ -98,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--looped", type=int, default=None,
                    help="interleaved-1f1b: the W workers the --stages go to round robin (stage s on s mod W)")
     p.add_argument("--minibatches", type=int, default=None,
-                   help="minibatches to simulate (default 32, rounded up to a multiple of every stage's replicas)")
+                   help="minibatches to simulate, any count (a replicated stage's partial last round updates unsynced); "
+                        "default: a steady-state window, its rate measured in the middle (docs/simulator.md)")
     p.add_argument("--microbatches", type=int, default=1,
                    help="gpipe / 1f1b-flush / zero-bubble / interleaved-1f1b / 2bw: slices per minibatch (default 1)")
     p.add_argument("--batch-size", type=int, default=None, help="default: the profile's")
@@ -203,11 +204,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
         return _choose(args, profile)
     if args.schedules is not None:
         return _schedules(args, profile)
-    result = plan(profile, args.workers, args.bandwidth, straight=args.straight, memory=args.memory,
-                  workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
-                  fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile,
-                  recompute=args.recompute)
-    result = price_plan(profile, result, Link(parse_bandwidth(args.bandwidth)), args.batch_size)
+    result = propose(profile, args.workers, args.bandwidth, straight=args.straight, memory=args.memory,
+                     workers_per_server=args.workers_per_server, intra_bandwidth=args.intra_bandwidth,
+                     fewer_workers=args.fewer_workers, allreduce=args.allreduce, source=args.profile,
+                     recompute=args.recompute)
+    result = best_plan(profile, result, Link(parse_bandwidth(args.bandwidth)), args.batch_size)
     if args.output:
         result.save(args.output)
     if args.json:
@@ -283,11 +284,22 @@ def describe(result: Plan, profile: Profile) -> str:
         send = f"{s.boundary_s:10.4g}" if k < len(result.stages) - 1 else f"{'-':>10}"
         lines.append(f"  {k:>5}  {f'{s.first_layer}-{s.last_layer}':<9} {s.replicas:>8}  {s.time_s:<9.4g}  {send}  "
                      f"{_short(first)} .. {_short(last)}")
-    lines.append(f"partitioner's model (PipeDream §3.2, syncs hidden behind compute): {result.stage_time_s:.4g} s per "
+    model = "syncs hidden behind compute" if o.get("sync_overlaps", True) else "each sync added to its stage's compute"
+    lines.append(f"partitioner's model (PipeDream §3.2, {model}): {result.stage_time_s:.4g} s per "
                  f"minibatch at the slowest stage or boundary, {result.speedup_vs_one:.2f}x one worker, "
                  f"{result.speedup_vs_dp:.2f}x data parallelism on {o['workers']} workers")
     lines.append(_price_line(result))
+    asked = o.get("asked_workers", result.workers)
+    if result.workers < asked:
+        lines.append(f"uses {result.workers} of the {asked} workers: no plan for more runs faster in the simulator "
+                     f"(the partitioner's plan for {asked}, {_simulated(result, asked)}, is slower)")
     return "\n".join(lines)
+
+
+def _simulated(result: Plan, workers: int) -> str:
+    """The simulated rate :func:`pipetrain.predict.pipeline.best_plan` found for the plan of ``workers``."""
+    found = {k: v for k, v in result.options.get("simulated", {}).items() if k.split(":")[0] == str(workers)}
+    return ", ".join(f"{k.split(':')[1]} at {v:.3g} minibatches/s" for k, v in found.items()) or "not simulated"
 
 
 def _price_line(result: Plan) -> str:
@@ -327,17 +339,23 @@ def cmd_simulate(args: argparse.Namespace) -> None:
             chosen = Plan.load(args.plan)
             check_fits(chosen, len(profile), args.plan)
         else:
-            chosen = plan(profile, args.workers, bandwidth, straight=args.straight)
+            chosen = best_plan(profile, propose(profile, args.workers, bandwidth, straight=args.straight),
+                               Link(bandwidth), args.batch_size)
         boundaries, replicas = chosen.boundaries, chosen.replicas
-    lcm = math.lcm(*replicas)
-    minibatches = args.minibatches or -(-32 // lcm) * lcm
     chosen_schedule = schedule_of(args.schedule, args.microbatches)
     if (args.looped is not None) != chosen_schedule.looped:
         raise ValueError(f"--looped W goes with --stages and a schedule that places stages round robin "
                          f"(interleaved-1f1b), not {args.schedule!r} alone; give both or neither")
-    schedule = chosen_schedule.placed(args.looped).build(replicas, minibatches)
+    placed = chosen_schedule.placed(args.looped)
+    # a steady-state window of any count (the rounds of a replicated stage need not divide it), as `plan` prices it
+    steady = args.minibatches is None
+    schedule = placed.window(replicas, args.minibatches or window_minibatches(replicas))
     result = simulate(schedule, profile, boundaries, Link(bandwidth, args.latency), batch_size=args.batch_size,
                       update_s=args.update_s)
+    if steady:
+        rate = steady_rate(schedule, result)
+        batch = profile.batch_size if args.batch_size is None else args.batch_size
+        result = replace(result, minibatches_per_s=rate, samples_per_s=rate * batch if batch > 0 else None)
     names = [f"worker {w} (stage {', '.join(map(str, schedule.stages_of(w)))})" for w in range(schedule.num_workers)]
     if args.png:
         draw_timeline(result.trace, args.png, names=names,

@@ -32,6 +32,7 @@ two-level topology, which doubles the table and prices every boundary, take a fe
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,13 +93,14 @@ class _Terms:
         return _Terms(setup.slowdown, setup.latency_s, setup.jitter_s, ring_latency,
                       INF if ring_per_byte == 0 else 1 / ring_per_byte)
 
-    def stage_s(self, work: Any, params: Any, replicas: Any, bandwidth: Any, allreduce: str) -> Any:
+    def stage_s(self, work: Any, params: Any, replicas: Any, bandwidth: Any, allreduce: str,
+                overlap: bool = True) -> Any:
         """T of a stage whose ``replicas`` each do ``work`` seconds per minibatch and sync ``params``
         bytes of weights: the measured allreduce's latencies and the slower of the link and the measured
         ring per byte; and the replicas wait for the slowest of them at every sync, which no sync overlaps."""
         sync = dp_sync_bytes(params, replicas, allreduce) / np.minimum(bandwidth, self.ring_rate) \
             + 2 * (replicas - 1) * self.ring_latency
-        return stage_time(work + straggler_s(work, self.jitter, replicas), sync, replicas)
+        return stage_time(work + straggler_s(work, self.jitter, replicas), sync, replicas, overlap)
 
 
 @dataclass
@@ -117,7 +119,7 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
          straight: bool = False, memory: float | str | None = None, workers_per_server: int | None = None,
          intra_bandwidth: float | str | None = None, fewer_workers: bool = False, allreduce: str = "ps",
          source: str | None = None, one_stage: bool = False, recompute: bool = False,
-         schedule: PipelineSchedule | None = None) -> Plan:
+         schedule: PipelineSchedule | None = None, also: Sequence[int] = (), sync_overlaps: bool = True) -> Plan:
     """Partition a profiled model over ``workers`` with PipeDream's dynamic program (§3.2).
 
     Args:
@@ -143,6 +145,13 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
         source: names the profile in error messages (default: its path, or ``profile``).
         one_stage: not the partitioner's choice but every layer as one stage on all ``workers``, priced as
             it prices a stage: data parallelism through the pipeline runtime, for comparing with its choice.
+        also: worker counts below ``workers`` whose best plans (all of each count's workers) come in the
+            result's :attr:`Plan.alternatives`, read from the same table: the suffix table holds every
+            count's optimum, so candidates for fewer workers cost no second solve (counts nothing fits
+            are left out); and, where ``also`` names any, for ``workers`` and each of them the fewest
+            workers whose plan the partitioner finds as fast.
+        sync_overlaps: a replicated stage's sync hides behind its compute, as §3.2's T assumes; False
+            adds it (:func:`pipetrain.costs.stage_time`), as pipetrain's ``pipedream`` schedule runs it.
 
     Returns:
         The plan with the least predicted slowest-stage time (with ``one_stage``, that one stage).
@@ -175,14 +184,23 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
                                "workers_per_server": workers_per_server,
                                "intra_bandwidth": None if intra_bandwidth is None else topo.intra_bandwidth,
                                "fewer_workers": fewer_workers, "allreduce": allreduce, "profile": source,
-                               "model": profile.model, "batch_size": profile.batch_size, "recompute": recompute}
+                               "model": profile.model, "batch_size": profile.batch_size, "recompute": recompute,
+                               "sync_overlaps": sync_overlaps}
     if one_stage:
         return _result(profile, [_one_stage(profile, workers, topo, allreduce)], workers, topo, allreduce, options)
-    table = _solve(profile, workers, topo, straight, memory_model, allreduce)
+    table = _solve(profile, workers, topo, straight, memory_model, allreduce, sync_overlaps)
     used, flag = _pick(table, workers, fewer_workers)
     if table.best[0, used, flag] == INF:
         raise ValueError(_infeasible(profile, workers, straight and not fewer_workers, limit, source))
-    return _result(profile, _stages(table, len(profile), used, flag), workers, topo, allreduce, options)
+    chosen = _result(profile, _stages(table, len(profile), used, flag), workers, topo, allreduce, options)
+    if also:  # and each count's fewest workers as fast in the partitioner's model: ties the simulator may break
+        also = [_pick(table, c, True)[0] for c in {workers, *(c for c in also if 1 <= c < workers)}] + list(also)
+    for count in sorted({int(c) for c in also if 1 <= c < workers}, reverse=True):
+        c, f = _pick(table, count, False)
+        if table.best[0, c, f] < INF:
+            chosen.alternatives.append(_result(profile, _stages(table, len(profile), c, f), count, topo, allreduce,
+                                               {**options, "workers": count}))
+    return chosen
 
 
 def _result(profile: Profile, stages: list[StagePlan], workers: int, topo: Topology, allreduce: str,
@@ -243,7 +261,7 @@ class _MemoryModel:
 
 
 def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _MemoryModel | None,
-           allreduce: str) -> _Table:
+           allreduce: str, overlap: bool = True) -> _Table:
     """Fill the suffix table (see [Note: suffix table]) one first layer i at a time, vectorized over
     (workers m, replicas r of the stage put in front, next layer j, flag f), in that axis order."""
     N = len(profile)
@@ -304,7 +322,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
         part = params[js] - params[i]
         work = stage_work_s(compute[js] - compute[i], 0.0, np.where(js < N, part * copy_per_byte, 0.0),
                             cpu[i] + cpu[js], terms.slowdown)
-        T = terms.stage_s(work, part, r, bw_stage, allreduce)
+        T = terms.stage_s(work, part, r, bw_stage, allreduce, overlap)
         if ties:
             T = _with_ties(T, ties, i, js, r, tie_bandwidth)
         if memory is not None:

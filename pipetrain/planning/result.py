@@ -54,6 +54,8 @@ class Plan:
             ``train --plan`` show for it; 0 where it was not priced.
         bound: the price counts compute and link bandwidth only, since the profile holds no run set-up
             (no measured per-message or per-action costs): an upper bound, not a prediction.
+        alternatives: the partitioner's best plans for fewer workers (``plan(..., also=...)``), which
+            :func:`pipetrain.predict.pipeline.best_plan` simulates beside this one; not saved.
     """
 
     stages: list[StagePlan]
@@ -64,6 +66,7 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     samples_per_s: float = 0.0
     bound: bool = False
+    alternatives: list[Plan] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def config(self) -> str:

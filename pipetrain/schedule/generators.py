@@ -216,6 +216,20 @@ def step_sync(lists: Lists, replicas: Sequence[int]) -> Lists:
             for w, acts in enumerate(lists)]
 
 
+def unsynced_tail(lists: Lists, replicas: Sequence[int], minibatches: int) -> Lists:
+    """``lists`` without the sync (``A``, ``S``) of a replicated stage's last round where ``minibatches``
+    leaves it partial (minibatches from the last multiple of the stage's replicas on): its replicas
+    update alone, so the rest of a window of any length can be simulated (see
+    :meth:`pipetrain.schedule.kinds.PipelineSchedule.window`)."""
+    layout = Layout(tuple(replicas))
+    out: Lists = []
+    for w, acts in enumerate(lists):
+        r = replicas[layout.stage_of(w)]
+        whole = minibatches - minibatches % r
+        out.append([a for a in acts if a.kind not in (START_SYNC, SYNC) or a.mb < whole])
+    return out
+
+
 def deferred_sync(lists: Lists, replicas: Sequence[int], microbatches: int) -> Lists:
     """2bw's sync pass: a stage on one worker updates after each minibatch's last backward (as
     :func:`flush_sync` does); a replica starts the sync of its minibatch there (``A``) but waits for it and

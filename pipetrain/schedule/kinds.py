@@ -72,6 +72,21 @@ class PipelineSchedule:
                         gen.noam(replicas), stashes=self.weights in ("stash", "double"),
                         double_buffered=self.weights == "double")
 
+    def window(self, replicas: Sequence[int], minibatches: int) -> Schedule:
+        """The action lists of ``minibatches`` in a row, any count, for pricing a steady state: where the
+        count leaves a stage's last round partial, that round's replicas update without a sync
+        (:func:`~pipetrain.schedule.generators.unsynced_tail`). Not an epoch the runtime runs (its
+        replicas join every sync), so the simulator need not run a common multiple of every stage's
+        replicas (``build``) to reach a plan's steady state; what it measures leaves that tail out
+        (:func:`pipetrain.predict.pipeline.steady_rate`)."""
+        if minibatches % Layout(tuple(replicas)).rounds == 0:
+            return self.build(replicas, minibatches)
+        self.check_layout(Layout(tuple(replicas)))
+        lists = self.sync_pass(gen.p2p_pass(replicas, self.order(replicas, minibatches)), replicas)
+        return Schedule(self.name, tuple(replicas), tuple(map(tuple, gen.unsynced_tail(lists, replicas, minibatches))),
+                        self.microbatches, gen.noam(replicas), stashes=self.weights in ("stash", "double"),
+                        double_buffered=self.weights == "double")
+
     def sync_pass(self, lists: gen.Lists, replicas: Sequence[int]) -> gen.Lists:
         """Where each worker syncs and applies its gradients (``A``, ``S``, ``U``)."""
         return gen.flush_sync(lists, self.microbatches) if self.flush else gen.step_sync(lists, replicas)

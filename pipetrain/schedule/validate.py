@@ -12,6 +12,7 @@ with the stuck step of each worker in brackets.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 from pipetrain.schedule.actions import (
     BACKWARD, FORWARD, INPUT_GRAD, RECV_ACT, RECV_GRAD, SEND_GRAD, SENDS, START_SYNC, SYNC, UPDATE, WEIGHT_GRAD,
@@ -97,11 +98,11 @@ def _check_split(schedule: Schedule) -> None:
                 fail(w, f"updates at {a} before every W of the minibatches it applies")
 
 
-def _sync_ready(schedule: Schedule, w: int, starts: dict[int, int], waits: dict[int, int]) -> bool:
-    """Worker ``w`` at its k-th sync: every worker of its stage has started its k-th sync."""
+def _sync_ready(schedule: Schedule, w: int, started: dict[tuple[int, int], int], waits: dict[int, int]) -> bool:
+    """Worker ``w`` at its k-th sync: every worker of its stage has started its k-th sync (``started``
+    counts them per (stage, k), so a stage of many replicas is checked in constant time)."""
     s = schedule.stage_of(w)
-    first = schedule.first_worker(s)
-    return all(starts[m] > waits[w] for m in range(first, first + schedule.replicas[s]))
+    return started[(s, waits[w])] == schedule.replicas[s]
 
 
 def validate(schedule: Schedule) -> dict[str, list[int]]:
@@ -119,32 +120,44 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
     pos = [0] * schedule.num_workers
     done: set[tuple[int, Action]] = set()
     starts: dict[int, int] = defaultdict(int)  # worker -> A actions done
+    started: dict[tuple[int, int], int] = defaultdict(int)  # (stage, k) -> workers that did their k-th A
     waits: dict[int, int] = defaultdict(int)  # worker -> S actions done
     in_flight = [set() for _ in acts]  # type: list[set[tuple[int, int | None]]]
     peak = [0] * schedule.num_workers
     steps = [0] * schedule.num_workers
     t = 0
-    while any(p < len(a) for p, a in zip(pos, acts)):
+    # only a worker that moved, or whose awaited message or sync start has come, can move next round: the
+    # rest are not looked at again, so a round costs what moves in it, not the whole world
+    active = {w for w, a in enumerate(acts) if a}
+    asleep: dict[Any, list[int]] = defaultdict(list)  # what a blocked worker waits for -> the workers
+    while active or any(p < len(a) for p, a in zip(pos, acts)):  # none active and some left: a deadlock
         t += 1
         moved = []
-        for w, a_list in enumerate(acts):
-            if pos[w] >= len(a_list):
-                continue
-            a = a_list[pos[w]]
-            if a.kind in (RECV_ACT, RECV_GRAD):
-                if (schedule.peer(w, a), a.counterpart()) not in done:
-                    continue
-            if a.kind == SYNC and not _sync_ready(schedule, w, starts, waits):
-                continue
-            moved.append((w, a))
+        for w in sorted(active):
+            a = acts[w][pos[w]]
+            sent = (schedule.peer(w, a), a.counterpart()) if a.kind in (RECV_ACT, RECV_GRAD) else None
+            if sent is not None and sent not in done:
+                asleep[sent].append(w)
+            elif a.kind == SYNC and not _sync_ready(schedule, w, started, waits):
+                asleep[(schedule.stage_of(w), waits[w])].append(w)
+            else:
+                moved.append((w, a))
         if not moved:
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks at round {t}; stuck steps in []:\n"
                                 + _grid(schedule, pos))
+        active = set()
         for w, a in moved:
             done.add((w, a))
+            active.update(asleep.pop((w, a), ()))
             pos[w] += 1
             steps[w] = t
+            if pos[w] < len(acts[w]):
+                active.add(w)
             if a.kind == START_SYNC:
+                stage = schedule.stage_of(w)
+                started[(stage, starts[w])] += 1
+                if started[(stage, starts[w])] == schedule.replicas[stage]:
+                    active.update(asleep.pop((stage, starts[w]), ()))
                 starts[w] += 1
             if a.kind == SYNC:
                 waits[w] += 1

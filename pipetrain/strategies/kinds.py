@@ -18,11 +18,10 @@ import torch
 from torch import nn
 
 from pipetrain.costs import allreduce_copy_bytes
-from pipetrain.planning.partition import plan
 from pipetrain.planning.result import Plan
 from pipetrain.predict.cgdp import best_chunk, host_costs, predict_on_host
 from pipetrain.predict.dataparallel import predict_data_parallel
-from pipetrain.predict.pipeline import price_plan
+from pipetrain.predict.pipeline import best_plan, propose
 from pipetrain.profiling import Profile
 from pipetrain.schedule import generators as gen
 from pipetrain.schedule.actions import Schedule
@@ -159,8 +158,8 @@ class Pipeline(Strategy):
                 host: dict[str, float] | None = None) -> Priced:
         """PipeDream's best plan (§3.2) run by the ``pipedream`` schedule. A plan that puts the whole
         model on every worker is data parallelism: it competes as such, not as a pipeline."""
-        chosen = price_plan(profile, plan(profile, workers, link.bandwidth_Bps if link.bandwidth_Bps < math.inf
-                                          else 1e15), link, batch_size, minibatches or 32)
+        chosen = best_plan(profile, propose(profile, workers, link.bandwidth_Bps if link.bandwidth_Bps < math.inf
+                                            else 1e15), link, batch_size, minibatches or 32)
         if len(chosen.stages) == 1:
             return Priced(0.0, self, chosen, f"the best plan is one stage on every worker ({chosen.samples_per_s:.0f} "
                                              "samples/s as `train --plan` runs it): data parallelism, competes as ddp")
