@@ -148,7 +148,13 @@ class _DiesWhileStarted(_ExitsWhenFirstSeen):
         raise BrokenPipeError(32, "Broken pipe")
 
 
-def test_a_worker_that_dies_while_started_names_the_unguarded_script_as_the_likely_cause():
+@pytest.fixture
+def no_cleaner(monkeypatch, tmp_path):
+    """The stand-in jobs' files go to ``tmp_path``: no cleaner process starts for them."""
+    monkeypatch.setattr("pipetrain.runtime.launch.caller_dir", lambda: tmp_path)
+
+
+def test_a_worker_that_dies_while_started_names_the_unguarded_script_as_the_likely_cause(no_cleaner):
     ctx = type("Ctx", (), {"Process": _DiesWhileStarted})()
     with pytest.raises(PipetrainError, match=r"^rank 0 died while starting \(Broken pipe\); workers first import "
                                              r"your script .+: if it calls pipetrain.train outside"):
@@ -156,7 +162,7 @@ def test_a_worker_that_dies_while_started_names_the_unguarded_script_as_the_like
                     timeout=None)
 
 
-def test_a_job_that_finishes_just_as_its_time_limit_passes_returns_its_results():
+def test_a_job_that_finishes_just_as_its_time_limit_passes_returns_its_results(no_cleaner):
     ctx = type("Ctx", (), {"Process": _ExitsWhenFirstSeen})()
     results = _spawn_once(ctx, print, lambda rank: (), 1, 0, "rank {}".format, poll_s=0.01, silent_after=None,
                           log_dir=None, timeout=0)
