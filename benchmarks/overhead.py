@@ -42,6 +42,7 @@ import pipetrain
 from pipetrain import Interleaved1F1B
 from pipetrain.registry import schedule_of
 from pipetrain.runtime.launch import keep_freed_memory
+from pipetrain.trace import seconds_by_kind, update_ends
 from pipetrain.zoo import vgg_like
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
@@ -163,27 +164,21 @@ def outside(repeats: int, warmup: int, threads: int) -> None:
             print(f"| {schedule} | {rank} | {1e3 * med['step_s']:.2f} | {cells} | {100 * med['outside']:.2f}% | {each} |")
 
 
-KINDS = {"forward, backward": "FBIW", "update": "U", "messages": "SR", "gradient sync": "AS"}
-"""The columns of ``--outside``: action kinds by their text's first letter (``SF``, ``RB``, ... are
-messages; ``S`` alone is a sync)."""
+KINDS = {"forward, backward": ("F", "B", "I", "W"), "update": ("U",), "messages": ("SF", "SB", "RF", "RB"),
+         "gradient sync": ("A", "S")}
+"""The columns of ``--outside``: the action kinds each counts."""
 
 
 def shares(trace: list[tuple[str, float, float]], warmup: int) -> dict[str, float]:
-    """Over the actions after the first ``warmup`` updates: each of :data:`KINDS`' share of the wall
+    """From the end of the ``warmup``-th update to the last: each of :data:`KINDS`' share of the wall
     time, the share covered by no action (``outside``), and the seconds per minibatch (``step_s``)."""
-    kinds = [text.lstrip("0123456789") for text, _, _ in trace]
-    updates = [i for i, k in enumerate(kinds) if k.startswith("U")]
-    first = updates[min(warmup, len(updates) - 1)] + 1
-    kept = range(first, updates[-1] + 1)
-    wall = trace[kept[-1]][2] - trace[kept[0]][1]
-    out = {label: 0.0 for label in KINDS}
-    for i in kept:
-        k = kinds[i]
-        label = "messages" if k[:2] in ("SF", "SB", "RF", "RB") else \
-            next(name for name, letters in KINDS.items() if k[0] in letters)
-        out[label] += (trace[i][2] - trace[i][1]) / wall
+    ends = update_ends(trace)
+    first = min(warmup, len(ends) - 1)
+    start, end = ends[first], ends[-1]
+    spent = seconds_by_kind(trace, start, end)
+    out = {label: sum(spent.get(k, 0.0) for k in kinds) / (end - start) for label, kinds in KINDS.items()}
     out["outside"] = 1 - sum(out.values())
-    out["step_s"] = wall / sum(1 for i in kept if kinds[i].startswith("U"))
+    out["step_s"] = (end - start) / (len(ends) - 1 - first)
     return out
 
 

@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import statistics
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -33,6 +31,7 @@ from pipetrain.bench.systems import TWINS, SuiteConfig
 from pipetrain.layers import LayeredModel
 from pipetrain.runtime.split_backward import input_backward
 from pipetrain.schedule.kinds import GPipe, Interleaved1F1B, OneFOneBFlush, ZeroBubble
+from pipetrain.trace import seconds_by_kind
 from pipetrain.zoo import SPECS
 
 MODELS: dict[str, dict[str, Any]] = {"gpt-like": {"batch_size": 16, "stages": [0, 6]},
@@ -67,9 +66,7 @@ def breakdown(model: str, schedule: str, microbatches: int, steps: int = 8) -> l
     shares = []
     for records in result.traces:
         wall = records[-1][2] - records[0][1]
-        spent: dict[str, float] = defaultdict(float)
-        for text, start, end in records:
-            spent[re.match(r"[A-Z]+", text).group(0)] += end - start  # type: ignore[union-attr]
+        spent = seconds_by_kind(records)
         spent["outside"] = wall - sum(spent.values())
         shares.append({k: v / wall for k, v in spent.items()})
     return shares

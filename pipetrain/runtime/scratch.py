@@ -6,7 +6,7 @@ exits removes it. One killed with SIGKILL cannot, and at that moment no worker m
 for it (the caller may be between two jobs: profiling done, training not yet started). So the first
 job also starts a cleaner: a process of a few standard-library lines, no torch, that waits for the
 caller to end and then removes that directory and multiprocessing's (where the fork server's socket
-lives). It runs in its own session, so a Ctrl-C at the terminal does not stop it before the caller.
+lives). It is started detached from the terminal's process group, so a Ctrl-C there does not stop it before the caller.
 """
 from __future__ import annotations
 
