@@ -93,9 +93,9 @@ class Stashing(Live):
     def _copy(self) -> Weights:
         if self._free:
             copy = self._free.pop()
-            with torch.no_grad():
-                for k, p in self.params.items():
-                    copy[k].copy_(p)
+            if self.params:  # a stage whose parameters are all tied has none of its own
+                with torch.no_grad():
+                    torch._foreach_copy_([copy[k] for k in self.params], list(self.params.values()))
             return copy
         return {k: p.detach().clone().requires_grad_(p.requires_grad) for k, p in self.params.items()}
 
@@ -124,9 +124,12 @@ class Stashing(Live):
             if g is not None:  # moved, not copied: the stash lets go of it just below
                 p.grad = g if p.grad is None else p.grad.add_(g)
             used[k].grad = None
-        held = any(w is used for w in self._stash.values()) or (self._newest is not None and self._newest[1] is used)
-        if self.recycle and not held:
-            self._free.append(used)
+        self._release(used)
+
+    def _release(self, copy: Weights) -> None:
+        """Keep ``copy`` for reuse if nothing holds it any more."""
+        if self.recycle and not any(w is copy for w in self._held()):
+            self._free.append(copy)
 
 
 class VerticalSync(Stashing):
@@ -169,8 +172,6 @@ class DoubleBuffered(Stashing):
     and the version before it is kept for the minibatches that still run at it.
     """
 
-    recycle = False  # copies also live in the version table; let the garbage collector free them
-
     def __init__(self, stage: nn.Module, tied: Collection[str] = ()) -> None:
         super().__init__(stage, tied)
         self._versions: dict[int, Weights] = {}  # the newest version and the one before it
@@ -195,9 +196,15 @@ class DoubleBuffered(Stashing):
     def version_of(self, mb: int, tag: int | None) -> int:
         return self._at[mb]
 
+    def _held(self) -> list[Weights]:
+        return [*super()._held(), *self._versions.values()]
+
     def updated(self, minibatches: int) -> None:
         super().updated(minibatches)
+        dropped = [w for v, w in self._versions.items() if v != self.version - minibatches]
         self._versions = {v: w for v, w in self._versions.items() if v == self.version - minibatches}
+        for copy in dropped:  # its buffers take the new version: no fresh allocation per update
+            self._release(copy)
         self._versions[self.version] = self._copy()
         self._check()
 
