@@ -14,7 +14,6 @@ import multiprocessing.util
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +31,7 @@ for d in sys.argv[2:]:
 """
 """The cleaner's program, run as ``python -I -S -c CLEANER caller_pid dir ...``."""
 
-_mine: dict[int, tuple[Path, subprocess.Popen]] = {}
+_mine: dict[int, tuple[Path, int]] = {}  # pid -> (its directory, its cleaner's pid)
 
 
 def caller_dir() -> Path:
@@ -42,9 +41,10 @@ def caller_dir() -> Path:
         theirs = multiprocessing.util.get_temp_dir()
         # the cleaner starts before the directory exists, so no moment leaves it without one
         d = Path(tempfile.gettempdir()) / f"pipetrain-{pid}-{secrets.token_hex(4)}"
-        cleaner = subprocess.Popen([sys.executable, "-I", "-S", "-c", CLEANER, str(pid), str(d), theirs],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
+        # spawned without a Popen object, which would warn at exit that its still waiting child is running
+        quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+        cleaner = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-c", CLEANER, str(pid), str(d), theirs],
+                                 os.environ, file_actions=quiet, setsid=True)
         d.mkdir(mode=0o700)
         multiprocessing.util.Finalize(None, shutil.rmtree, args=(str(d),), kwargs={"ignore_errors": True},
                                       exitpriority=-100)
