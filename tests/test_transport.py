@@ -1,9 +1,7 @@
 """The stage-to-stage transport: messages arrive whole and in their own slots whatever their shapes do.
 
-Both ends of an edge guess the next message's shapes and the receiver posts for them before the
-message is sent; a message that breaks the guess is preceded by placeholders. The sequences below
-keep shapes, change them, change dtypes and tensor counts, mix channels and cuts, and close while a
-guess is standing: every tensor must come through bit for bit with its header's fields.
+The sequence below keeps shapes, changes them, changes dtypes and tensor counts, and mixes channels
+and cuts: every tensor must come through bit for bit with its header's fields, taken in any order.
 """
 import datetime
 
@@ -12,13 +10,13 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.runtime.launch import spawn
-from pipetrain.runtime.transport import Message, PeerError, ShapeGuess, Transport
+from pipetrain.runtime.transport import Message, PeerError, Transport
 
 F32, I64 = torch.float32, torch.int64
 # (channel, cut, specs of the message's tensors)
 SEQUENCE = [
     (0, -1, [(F32, (4, 3))]), (0, -1, [(F32, (4, 3))]), (0, -1, [(F32, (4, 3))]), (0, -1, [(F32, (4, 3))]),
-    (0, -1, [(F32, (2, 3))]),                                   # a smaller last batch: breaks the guess
+    (0, -1, [(F32, (2, 3))]),                                   # a smaller last batch
     (0, -1, [(F32, (4, 3)), (I64, (4,))]), (0, -1, [(F32, (4, 3)), (I64, (4,))]),
     (0, -1, [(F32, (4, 3)), (I64, (4,))]),
     (1, -1, [(torch.float64, (5,))]),                           # a tied parameter's gradient between
@@ -26,7 +24,6 @@ SEQUENCE = [
     (0, 0, [(F32, (4, 3))]), (0, 1, [(F32, (7,))]), (0, 0, [(F32, (4, 3))]), (0, 1, [(F32, (7,))]),  # two cuts
     (0, -1, [(torch.bfloat16, (3, 2, 2)), (torch.bool, (6,))]), (0, -1, [(torch.bfloat16, (3, 2, 2)), (torch.bool, (6,))]),
 ]
-"""Ends with a guess standing, so the close marker must fill it too."""
 
 
 def _tensors(i: int, specs: list) -> list[torch.Tensor]:
@@ -97,12 +94,3 @@ def test_a_silent_peer_is_named_after_the_timeout():
     message, quiet = spawn(_silent_job, 2, ())
     assert quiet == "quiet"
     assert message == "rank 1 went silent: nothing for 2s while rank 0 waited for the activations"
-
-
-def test_both_ends_guess_the_last_shapes_once_two_agree():
-    a, b = ((F32, (4, 3)),), ((F32, (2, 3)),)
-    guess, guesses = ShapeGuess(), []
-    for specs in (a, a, a, b, a, a, b, b, b):
-        guesses.append(guess.next())
-        guess.saw(specs)
-    assert guesses == [None, None, a, a, None, None, a, None, b]

@@ -1,10 +1,9 @@
 """Point-to-point transport between neighbouring stages, on torch.distributed (gloo or NCCL).
 
 Each directed edge (worker a -> worker b) gets its own two-rank process group, so the two directions
-of a link never wait on each other and NCCL never sees two threads on one communicator. The compute
-thread posts its sends itself (``isend``: the backend moves the bytes in the background, and no
-Python thread has to win the interpreter's lock before a message leaves); a receiver thread per
-incoming edge posts receives and files what arrives for the compute thread to pick up.
+of a link never wait on each other and NCCL never sees two threads on one communicator. A sender
+thread per outgoing edge and a receiver thread per incoming edge move tensors while the compute
+thread works; the compute thread only enqueues sends and picks up what has arrived.
 
 Each message is a fixed-size int64 header, then the tensors::
 
@@ -15,22 +14,13 @@ so shapes and dtypes cross with the data and no stage needs a shape spec. ``n ==
 parameters' gradients and values (:mod:`pipetrain.runtime.tied`). ``cut`` names the stage boundary a
 message crosses where a worker holds several stages (-1 otherwise): one edge then carries several
 cuts (:mod:`pipetrain.runtime.multi`).
-
-[Note: receiving ahead] gloo moves a tensor only once its receive is posted, so a receive posted after
-the header arrived would cost each message a round trip and a wake-up of the receiver thread. Both ends
-of an edge therefore guess the next message's shapes the same way (:class:`ShapeGuess`: the last
-message's, once two in a row agreed), and the receiver posts the header's and the guessed tensors'
-receives together, before the message is sent. Where the message differs from the guess, the sender
-first fills the guessed receives with as many placeholder tensors, then sends the real ones, which the
-receiver posts for after reading the header: a change of shapes costs one extra send, never a mismatch.
 """
 from __future__ import annotations
 
-import collections
+import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -96,37 +86,6 @@ class Channel(Protocol):
     def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0) -> Message: ...
 
 
-Specs = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
-
-
-class ShapeGuess:
-    """The next message's tensor specs on one edge, as both of its ends guess them alike: the last
-    message's, where the two before agreed; None (no guess) otherwise, so that shapes that change with
-    every message cost nothing extra."""
-
-    def __init__(self) -> None:
-        self._last: Specs | None = None
-        self._agreed = False
-
-    def next(self) -> Specs | None:
-        return self._last if self._agreed else None
-
-    def saw(self, specs: Specs) -> None:
-        self._agreed, self._last = specs == self._last, specs
-
-
-def _specs(tensors: list[torch.Tensor]) -> Specs:
-    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
-
-
-def _receive(tensors: list[torch.Tensor], peer: int, group) -> None:
-    """Post a receive into each of ``tensors`` from ``peer``, all at once, then wait for them."""
-    works = [dist.irecv(t, peer, group=group) for t in tensors]
-    for work in works:
-        assert work is not None  # this rank is in every group of its own edges
-        work.wait()
-
-
 class Transport:
     """Asynchronous sends and receives between this worker and its neighbours.
 
@@ -149,81 +108,68 @@ class Transport:
         self._cond = threading.Condition()
         self._errors: dict[int, BaseException] = {}
         self._closed: set[int] = set()
-        self._guess: dict[int, ShapeGuess] = {}  # outgoing edge -> what its receiver expects next
-        self._pending: dict[int, collections.deque] = {}  # outgoing edge -> (work, tensor) not yet sent
+        self._out: dict[int, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
         self.bytes_sent = 0  # tensor payload, headers excluded; updated by the compute thread
         for (src, dst), group in self._groups.items():
             if src == rank:
-                self._guess[dst], self._pending[dst] = ShapeGuess(), collections.deque()
+                self._out[dst] = queue.Queue()
+                self._start(self._send_loop, dst, group)
             elif dst == rank:
-                t = threading.Thread(target=self._recv_loop, args=(src, group), daemon=True,
-                                     name=f"pipetrain-recv-{src}")
-                t.start()
-                self._threads.append(t)
+                self._start(self._recv_loop, src, group)
 
-    def _recv_loop(self, peer: int, group) -> None:
-        guess = ShapeGuess()
+    def _start(self, target, peer: int, group) -> None:
+        t = threading.Thread(target=target, args=(peer, group), daemon=True,
+                             name=f"pipetrain-{target.__name__}-{peer}")
+        t.start()
+        self._threads.append(t)
+
+    def _send_loop(self, peer: int, group) -> None:
         try:
             while True:
-                expected = guess.next()
+                msg = self._out[peer].get()
+                dist.send(_encode(msg, self.wire), peer, group=group)
+                if msg is None:
+                    return
+                for t in msg.tensors:
+                    dist.send(t.to(self.wire), peer, group=group)
+        except BaseException as e:  # noqa: BLE001 - handed to the compute thread
+            with self._cond:
+                self._errors[peer] = e
+                self._cond.notify_all()
+
+    def _recv_loop(self, peer: int, group) -> None:
+        try:
+            while True:
                 head = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
-                early = [torch.empty(shape, dtype=dtype, device=self.wire) for dtype, shape in expected or ()]
-                _receive([head, *early], peer, group)
+                dist.recv(head, peer, group=group)
                 mb, micro, version, is_tuple, channel, cut, specs = _decode(head.cpu())
                 if specs is None:
                     with self._cond:
                         self._closed.add(peer)
                         self._cond.notify_all()
                     return
-                spec = tuple((dtype, tuple(shape)) for dtype, shape in specs)
-                if spec != expected:  # what came early were placeholders
-                    early = [torch.empty(shape, dtype=dtype, device=self.wire) for dtype, shape in spec]
-                    _receive(early, peer, group)
-                guess.saw(spec)
-                tensors = [t.to(self.device) for t in early]
+                tensors = []
+                for dtype, shape in specs:
+                    t = torch.empty(shape, dtype=dtype, device=self.wire)
+                    dist.recv(t, peer, group=group)
+                    tensors.append(t.to(self.device))
                 with self._cond:
                     self._inbox[(peer, channel, cut, mb, micro)] = Message(mb, micro, version, tensors, is_tuple, channel,
                                                                            cut)
                     self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - handed to the compute thread
+        except BaseException as e:  # noqa: BLE001
             with self._cond:
                 self._errors[peer] = e
                 self._cond.notify_all()
 
     def send(self, peer: int, msg: Message) -> None:
-        """Post ``msg`` for ``peer``; returns at once (the tensors must not change afterwards).
-
-        Raises:
-            PeerError: an earlier send to ``peer`` failed.
-        """
-        self._reap(peer, f"sending minibatch {msg.mb}")
+        """Queue ``msg`` for ``peer``; returns at once (the tensors must not change afterwards)."""
+        if peer in self._errors:
+            self._raise(peer, f"sending minibatch {msg.mb}")
         tensors = [t.detach().contiguous() for t in msg.tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        self._post(peer, replace(msg, tensors=tensors))
-
-    def _post(self, peer: int, msg: Message | None) -> None:
-        """isend ``msg`` (None: the close marker), after placeholders where it is not what the peer guessed."""
-        group, guess = self._groups[(self.rank, peer)], self._guess[peer]
-        expected, parts = guess.next(), [_encode(msg, self.wire)]
-        specs = None if msg is None else _specs(msg.tensors)
-        if expected is not None and specs != expected:
-            parts += [torch.empty(shape, dtype=dtype, device=self.wire) for dtype, shape in expected]
-        if msg is not None:
-            parts += [t.to(self.wire) for t in msg.tensors]
-            guess.saw(_specs(msg.tensors))
-        self._pending[peer].extend((dist.isend(t, peer, group=group), t) for t in parts)
-
-    def _reap(self, peer: int, doing: str) -> None:
-        """Let go of the sends to ``peer`` that finished; PeerError where one failed."""
-        pending = self._pending[peer]
-        try:
-            while pending and pending[0][0].is_completed():
-                pending.popleft()[0].wait()
-        except Exception as e:  # noqa: BLE001 - named as the peer's
-            self._errors.setdefault(peer, e)
-        if peer in self._errors:
-            self._raise(peer, doing)
+        self._out[peer].put(replace(msg, tensors=tensors))
 
     def recv(self, peer: int, mb: int, micro: int | None, what: str, channel: int = 0, cut: int = -1) -> Message:
         """Wait for (mb, micro) from ``peer`` on ``channel`` (the cut's channel carries one kind per
@@ -252,16 +198,10 @@ class Transport:
                         f"{reason}")
 
     def close(self) -> None:
-        """Send the close marker on every edge, wait for every send to finish and every neighbour to close."""
-        for peer in self._pending:
-            self._post(peer, None)
+        """Send the close marker on every edge and wait for the queues to drain."""
+        for q in self._out.values():
+            q.put(None)
         deadline = time.monotonic() + self.timeout
-        for peer, pending in self._pending.items():
-            try:
-                while pending:
-                    pending.popleft()[0].wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
-            except Exception as e:  # noqa: BLE001 - named as the peer's
-                self._errors.setdefault(peer, e)
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         for peer in self._errors:
