@@ -188,7 +188,7 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     m = schedule.microbatches
     at = measured if m == 1 else as_minibatch(
         measured_profile(t, run, workers, batch_size=t.batch_size // m, ring_cpu=False), m)
-    options = {"memory": memory, "recompute": t.recompute, "schedule": schedule}
+    options: dict[str, Any] = {"memory": memory, "recompute": t.recompute, "schedule": schedule}
     if straight:
         candidates = [plan(measured, workers, bandwidth, straight=True, **options)]
     else:  # replicated stages: the simulator picks among the partitioner's plans and its plans for fewer workers
