@@ -25,7 +25,7 @@ from pipetrain.layers import LayerError
 from pipetrain.planning import Plan, plan
 from pipetrain.planning.choose import Choice, choose_strategy
 from pipetrain.planning.schedules import ScheduleChoice, choose_schedule
-from pipetrain.predict.pipeline import predict_plan
+from pipetrain.predict.pipeline import best_plan, predict_plan, propose
 from pipetrain.planning.units import parse_bandwidth
 from pipetrain.profiling import Profile, as_minibatch, profile_model, time_batching
 from pipetrain.registry import PipelineSchedule, Strategy, make
@@ -159,7 +159,11 @@ def plan_stages(t: Training, run: RunOptions, schedule: PipelineSchedule, worker
     planning added to ``phases``."""
     found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH, memory), run)
     phases.update(found["phases"])
-    return Plan.from_dict(found["plan"]), found["predicted"]
+    chosen = Plan.from_dict(found["plan"])
+    if chosen.workers < workers and int(os.environ.get("RANK", "0")) == 0:
+        print(f"pipetrain: the plan uses {chosen.workers} of the {workers} workers: no plan for more runs faster in "
+              f"the simulator ({chosen.config})", flush=True)
+    return chosen, found["predicted"]
 
 
 def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
@@ -167,8 +171,11 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     """Profile, plan for ``bandwidth`` and predict this run's samples/s.
 
     [Note: one stage against the plan] The partitioner's model (PipeDream §3.2) lets a replicated
-    stage's sync overlap its compute, so its plan is simulated beside every layer as one stage on all
-    the workers, and the faster is taken (the plan's ``options["simulated_samples_per_s"]`` holds both).
+    stage's sync overlap its compute, so for a schedule that replicates stages the simulator picks among
+    the partitioner's plans and its plans for fewer workers (:func:`pipetrain.predict.pipeline.best_plan`;
+    under torchrun only plans that use every worker), and that plan is simulated beside every layer as one
+    stage on all the workers, and the faster is taken (the plan's ``options["simulated_samples_per_s"]``
+    holds both).
 
     Each is simulated for an epoch of its schedule, filled and drained, as ``samples_per_s`` measures it
     (:func:`pipetrain.result.training_rate`), on the links this run has (the measured transport locally,
@@ -177,14 +184,20 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     begun = time.perf_counter()
     measured = measured_profile(t, run, workers, ring_cpu=False)
     straight = not schedule.replicable
-    candidates = [plan(measured, workers, bandwidth, straight=straight, memory=memory, recompute=t.recompute,
-                       schedule=schedule)]
-    if not straight and len(candidates[0].stages) > 1 and memory is None:  # one stage holds the whole model
-        candidates.append(plan(measured, workers, bandwidth, one_stage=True))
     link = Link(parse_bandwidth(bandwidth)) if under_torchrun() else Link()
     m = schedule.microbatches
     at = measured if m == 1 else as_minibatch(
         measured_profile(t, run, workers, batch_size=t.batch_size // m, ring_cpu=False), m)
+    options: dict[str, Any] = {"memory": memory, "recompute": t.recompute, "schedule": schedule}
+    if straight:
+        candidates = [plan(measured, workers, bandwidth, straight=True, **options)]
+    else:  # replicated stages: the simulator picks among the partitioner's plans and its plans for fewer workers
+        proposed = propose(measured, workers, bandwidth, **options)
+        if under_torchrun():  # torchrun started every worker: a plan must use them all
+            proposed.alternatives = [p for p in proposed.alternatives if p.workers == workers]
+        candidates = [best_plan(at, proposed, link, t.batch_size, schedule=schedule)]
+    if not straight and len(candidates[0].stages) > 1 and memory is None:  # one stage holds the whole model
+        candidates.append(plan(measured, workers, bandwidth, one_stage=True))
     rates = [predict_plan(at, c, link, t.batch_size, schedule,
                           max(t.epoch_minibatches(math.lcm(*c.replicas)), 1), epoch=True)
              for c in candidates]
@@ -217,7 +230,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
         link = Link(parse_bandwidth(bandwidth or DEFAULT_BANDWIDTH)) if under_torchrun() else Link()
         found = choose_schedule(measured, workers, bandwidth or DEFAULT_BANDWIDTH, t.batch_size, memory=memory,
                                 link=link, minibatches=max(t.epoch_minibatches(1), 1),
-                                recompute=True if t.recompute else None)
+                                recompute=True if t.recompute else None, fewer_workers=not under_torchrun())
         spent = {key: measured.meta.get(key, 0.0) for key in _phases(t)}
         spent["plan_s"] = time.perf_counter() - begun - sum(spent.values())
         return {"choice": found.to_dict(), "phases": spent}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +31,7 @@ def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(
     profile = Profile(layers, batch_size=8, device="test", input_bytes=10, setup=slow_link)
     asked: list[dict] = []
     monkeypatch.setattr(auto, "measured_profile", lambda *args, **kwargs: asked.append(kwargs) or profile)
-    monkeypatch.setattr(auto, "plan", lambda p, w, b, straight=False, one_stage=False, **kw:
-                        plan(p, w, b, straight=not one_stage, one_stage=one_stage, **kw))
+    monkeypatch.setattr(auto, "propose", lambda p, w, b, **kw: plan(p, w, b, straight=True, **kw))
     data = TensorDataset(torch.zeros(64, 1), torch.zeros(64, 1))
     training = Training(model=nn.Linear(1, 1), dataset=data, loss_fn=nn.functional.mse_loss,
                         optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=8)
@@ -41,6 +41,32 @@ def test_auto_runs_the_partitioners_plan_against_one_stage_and_takes_the_faster(
     assert chosen.config == "2" and set(simulated) == {"1-1", "2"}
     assert found["predicted"] == simulated["2"] > simulated["1-1"]
     assert asked == [{"ring_cpu": False}]  # a pipeline is not priced with our ring's CPU: not measured
+
+
+def test_auto_plans_never_lose_to_their_plans_for_fewer_workers(monkeypatch):
+    """vgg16 on 64 workers: the partitioner's plan (33-1-1-1-1-27 at 10 Gbit/s) runs slower in the
+    simulator than its plan for 42 + 1 workers, so that plan is the pipeline ``stages="auto"`` weighs
+    against one stage on every worker (which wins here, on links as free as one machine's)."""
+    import pipetrain.auto as auto
+    from pipetrain.config import RunOptions, Training
+    from pipetrain.predict.pipeline import simulate_steady
+    from pipetrain.simulate import Link
+
+    profile = Profile.load(Path(__file__).resolve().parents[1] / "pipetrain" / "data" / "pipedream" / "vgg16.graph.txt")
+    monkeypatch.setattr(auto, "measured_profile", lambda *args, **kwargs: profile)
+    data = TensorDataset(torch.zeros(64, 1), torch.zeros(64, 1))
+    training = Training(model=nn.Linear(1, 1), dataset=data, loss_fn=nn.functional.mse_loss,
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), batch_size=8)
+    chosen = Plan.from_dict(auto._plan_here(training, RunOptions(threads=1), PipeDream(), 64, "10Gbit")["plan"])
+    pipeline = [config for config in chosen.options["simulated_samples_per_s"] if config != "64"]
+    assert pipeline == ["42-1"]
+    partitioners = plan(profile, 64, "10Gbit")
+    assert partitioners.config == "33-1-1-1-1-27"
+    fewer = Plan.from_dict({**partitioners.to_dict(), "stages": [
+        {"first_layer": 0, "last_layer": 30, "replicas": 42, "time_s": 0.0, "boundary_s": 0.0},
+        {"first_layer": 31, "last_layer": 39, "replicas": 1, "time_s": 0.0, "boundary_s": 0.0}]})
+    rates = [simulate_steady(profile, p, Link(), 8).minibatches_per_s for p in (fewer, partitioners)]
+    assert rates[0] > rates[1]
 
 
 def heavy_weights() -> Profile:

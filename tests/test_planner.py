@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import pipetrain
 from pipetrain import cli
 from pipetrain.costs import dp_sync_bytes, in_flight, stage_memory_bytes
-from pipetrain.planning import Plan, StagePlan, check_fits, parse_bandwidth, parse_bytes, plan
+from pipetrain.planning import Plan, StagePlan, check_fits, parse_bandwidth, parse_bytes, partition, plan
 from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.schedule import warmup
 
@@ -45,12 +45,13 @@ def compositions(total, parts):
 
 
 def brute_force(layers, input_bytes, workers, bandwidth, *, straight=False, fewer=False, memory=None,
-                per_server=None, intra=None, ring=False):
+                per_server=None, intra=None, ring=False, allowed=None):
     """Least slowest-stage time over every split and replica assignment, straight from §3.2.
 
     Workers are numbered from the output stage backwards, each stage taking consecutive numbers; a
     stage's sync, and a boundary between two stages, use the intra-server bandwidth only when all
-    the workers involved share one server. A worker's memory: its weights, a stashed copy per
+    the workers involved share one server; ``allowed``: the only boundaries a stage may end at (default
+    every one). A worker's memory: its weights, a stashed copy per
     minibatch in flight where more than one is (§3.4: with one, no update comes between its forward
     and backward), the activations of each in flight, its gradient (ZeRO §3.1's model states; every
     parameter trains) and, on a replicated stage, the flat copy of the gradient its allreduce holds.
@@ -61,6 +62,8 @@ def brute_force(layers, input_bytes, workers, bandwidth, *, straight=False, fewe
     best = math.inf
     for cut_here in itertools.product([False, True], repeat=n_layers - 1):
         starts = [0] + [k + 1 for k, c in enumerate(cut_here) if c]
+        if allowed is not None and not set(starts[1:]) <= set(allowed):
+            continue
         spans = list(zip(starts, [*starts[1:], n_layers]))
         n = len(spans)
         totals = range(1, workers + 1) if fewer else [workers]
@@ -130,6 +133,35 @@ def test_matches_brute_force_with_servers_and_memory(layers, input_bytes, worker
     result = plan(profile, workers, 1.25e9, **kw)
     assert result.stage_time_s == pytest.approx(expect, rel=1e-6)
     assert max(max(s.time_s, s.boundary_s) for s in result.stages) == pytest.approx(result.stage_time_s)
+
+
+def test_a_long_profile_is_cut_where_least_crosses_in_each_share_of_its_compute():
+    """Ten layers of equal compute, 4 positions kept: the nine boundaries fall in thirds of the compute
+    (1-3, 4-6, 7-9), and each third keeps its boundary with the fewest bytes crossing."""
+    crossing = [50, 10, 30, 40, 60, 20, 5, 70, 80, 0]  # bytes leaving each layer
+    profile = make_profile([(0.1, a, 0) for a in crossing])
+    assert partition.cut_positions(profile, 4).tolist() == [0, 2, 6, 7, 10]
+    assert partition.cut_positions(profile, 10).tolist() == list(range(11))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(layer, min_size=4, max_size=7), st.integers(1, 5), st.sampled_from([1e8, 1.25e9]), st.booleans())
+def test_a_long_profile_is_planned_over_its_kept_boundaries(layers, workers, bandwidth, fewer):
+    """With fewer positions kept than layers, the plan is the best of those cut only at kept boundaries."""
+    profile = make_profile(layers)
+    kept = partition.cut_positions(profile, 3).tolist()
+    expect = brute_force(layers, 0, workers, bandwidth, fewer=fewer, allowed=kept[1:-1])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(partition, "CUT_BUDGET", 0)
+        patch.setattr(partition, "MIN_CUTS", 3)
+        if expect == math.inf:
+            with pytest.raises(ValueError):
+                plan(profile, workers, bandwidth, fewer_workers=fewer)
+            return
+        result = plan(profile, workers, bandwidth, fewer_workers=fewer)
+    assert result.stage_time_s == pytest.approx(expect, rel=1e-6)
+    assert {s.first_layer for s in result.stages} <= set(kept)
+    assert result.options["boundaries_weighed"] == len(kept) - 2
 
 
 def test_straight_uses_one_worker_per_stage():

@@ -118,3 +118,18 @@ def test_a_plan_for_more_workers_that_runs_slower_gives_way_to_fewer():
     rates = {p.config: simulate_steady(profile, p, link).minibatches_per_s for p in [found, *found.alternatives]}
     assert rates[chosen.config] == max(rates.values()) > rates[found.config]
     assert chosen.workers < 64 and f"uses {chosen.workers} of the 64 workers" in describe(chosen, profile)
+
+
+def test_schedule_auto_runs_the_plan_that_plan_prints():
+    """vgg16 on 64 workers at 10 Gbit/s: the replicating schedules run 42-1, the plan ``pipetrain plan``
+    prints, not the partitioner's 33-1-1-1-1-27; where every worker must take part, a plan for all 64."""
+    from dataclasses import replace
+
+    from pipetrain.planning.schedules import choose_schedule
+
+    profile = replace(Profile.load(Path(__file__).resolve().parents[1] / "pipetrain" / "data" / "pipedream" /
+                                   "vgg16.graph.txt"), batch_size=64)
+    assert plan(profile, 64, "10Gbit").config == "33-1-1-1-1-27"
+    assert choose_schedule(profile, 64, "10Gbit", schedules=["pipedream"]).plan.config == "42-1"
+    every = choose_schedule(profile, 64, "10Gbit", schedules=["pipedream"], fewer_workers=False).plan
+    assert every.workers == 64

@@ -288,6 +288,10 @@ def describe(result: Plan, profile: Profile) -> str:
     lines.append(f"partitioner's model (PipeDream §3.2, {model}): {result.stage_time_s:.4g} s per "
                  f"minibatch at the slowest stage or boundary, {result.speedup_vs_one:.2f}x one worker, "
                  f"{result.speedup_vs_dp:.2f}x data parallelism on {o['workers']} workers")
+    if "boundaries_weighed" in o:
+        lines.append(f"weighed {o['boundaries_weighed']} of the profile's {result.stages[-1].last_layer} boundaries: "
+                     f"one per equal share of its compute, where the fewest bytes cross (the cost grows with layers "
+                     f"and workers)")
     lines.append(_price_line(result))
     asked = o.get("asked_workers", result.workers)
     if result.workers < asked:

@@ -51,6 +51,12 @@ from pipetrain.schedule.kinds import PipeDream, PipelineSchedule
 
 INF = float("inf")
 
+CUT_BUDGET = 40 * 1024
+"""Stage boundaries the dynamic program weighs, times the workers: its work grows with the square of
+each, so a profile of more layers than ``CUT_BUDGET // workers`` (at least :data:`MIN_CUTS`) is cut only
+at that many boundaries (:func:`cut_positions`). vgg16's 40 layers on 1024 workers take about 8 s."""
+MIN_CUTS = 40
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -188,7 +194,10 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
                                "sync_overlaps": sync_overlaps}
     if one_stage:
         return _result(profile, [_one_stage(profile, workers, topo, allreduce)], workers, topo, allreduce, options)
-    table = _solve(profile, workers, topo, straight, memory_model, allreduce, sync_overlaps)
+    positions = cut_positions(profile, max(MIN_CUTS, CUT_BUDGET // workers))
+    if len(positions) < len(profile) + 1:
+        options["boundaries_weighed"] = len(positions) - 2
+    table = _solve(profile, workers, topo, straight, memory_model, allreduce, sync_overlaps, positions)
     used, flag = _pick(table, workers, fewer_workers)
     if table.best[0, used, flag] == INF:
         raise ValueError(_infeasible(profile, workers, straight and not fewer_workers, limit, source))
@@ -260,11 +269,29 @@ class _MemoryModel:
         return need <= self.limit
 
 
-def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _MemoryModel | None,
-           allreduce: str, overlap: bool = True) -> _Table:
-    """Fill the suffix table (see [Note: suffix table]) one first layer i at a time, vectorized over
-    (workers m, replicas r of the stage put in front, next layer j, flag f), in that axis order."""
+def cut_positions(profile: Profile, keep: int) -> np.ndarray:
+    """The layer positions a stage may start at (0 and ``len(profile)`` included): every one for a profile
+    of at most ``keep`` layers; else ``keep - 1`` boundaries, one per equal share of the model's compute
+    (so that the stages can still balance), each where the fewest bytes cross within its share."""
     N = len(profile)
+    if N <= keep:
+        return np.arange(N + 1)
+    work = np.cumsum(profile.work_s())
+    share = work[:-1] / work[-1] if work[-1] > 0 else np.arange(1, N) / N  # before boundary j = 1 .. N-1
+    bins = np.minimum((share * (keep - 1)).astype(int), keep - 2)
+    crossing = np.array([float(x.activation_bytes) for x in profile.layers[:-1]])
+    order = np.lexsort((crossing, bins))  # by share, then fewest bytes first
+    first = order[np.r_[True, bins[order][1:] != bins[order][:-1]]]
+    return np.concatenate([[0], np.sort(first) + 1, [N]])
+
+
+def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _MemoryModel | None,
+           allreduce: str, overlap: bool = True, positions: np.ndarray | None = None) -> _Table:
+    """Fill the suffix table (see [Note: suffix table]) one first layer i of ``positions`` (default
+    every layer) at a time, vectorized over (workers m, replicas r of the stage put in front, next
+    position j, flag f), in that axis order."""
+    N = len(profile)
+    positions = np.arange(N + 1) if positions is None else positions
     layers = profile.layers
     zero = np.zeros(1)
     compute = np.concatenate([zero, np.cumsum(profile.work_s())])
@@ -317,8 +344,9 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
     padded[N, M:] = t.best[N]
     windows = np.lib.stride_tricks.sliding_window_view(padded, M, axis=1)[:, 1:M + 1, :, ::-1][..., :R]
     rows = np.arange(M)
-    for i in range(N - 1, -1, -1):
-        js = np.arange(i + 1, N + 1)[None, None, :]
+    for k in range(len(positions) - 2, -1, -1):
+        i, after = int(positions[k]), positions[k + 1:]
+        js = after[None, None, :]
         part = params[js] - params[i]
         work = stage_work_s(compute[js] - compute[i], 0.0, np.where(js < N, part * copy_per_byte, 0.0),
                             cpu[i] + cpu[js], terms.slowdown)
@@ -333,9 +361,9 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
         B = np.where((js < N)[..., None], boundary_time(cut[js][..., None], np.minimum(bw_boundary, transport),
                                                         terms.latency), 0.0)
         X = np.maximum(B, T[..., None])
-        J = N - i
+        J = len(after)
         cand: np.ndarray = np.empty((M, R, J, F))
-        np.maximum(windows[i + 1:].transpose(1, 3, 0, 2), X, out=cand)
+        np.maximum((windows[i + 1:] if J == N - i else windows[after]).transpose(1, 3, 0, 2), X, out=cand)
         cand = cand.reshape(M, R, J * F)
         jf = cand.argmin(axis=2)  # best next layer and flag for each (m, r)
         per_r = np.take_along_axis(cand, jf[..., None], axis=2)[..., 0]
@@ -344,7 +372,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
             rr = choice.argmin(axis=1)
             jj, ff = np.divmod(jf[rows, rr], F)
             t.best[i, 1:, g] = choice[rows, rr]
-            t.next_layer[i, 1:, g] = i + 1 + jj
+            t.next_layer[i, 1:, g] = after[jj]
             t.replicas[i, 1:, g] = rr + 1
             t.next_flag[i, 1:, g] = ff
             t.stage_s[i, 1:, g] = np.broadcast_to(T, (M, R, J))[rows, rr, jj]

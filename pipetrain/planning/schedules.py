@@ -18,7 +18,7 @@ from pipetrain.costs import allreduce_copy_bytes, worker_memory_bytes
 from pipetrain.layout import Layout
 from pipetrain.planning import Plan, plan
 from pipetrain.planning.units import format_bytes, parse_bandwidth, parse_bytes
-from pipetrain.predict.pipeline import epoch_rate, simulate_plan
+from pipetrain.predict.pipeline import best_plan, epoch_rate, propose, simulate_plan
 from pipetrain.profiling import Profile
 from pipetrain.registry import SCHEDULES, PipelineSchedule
 from pipetrain.simresult import SimResult
@@ -159,7 +159,7 @@ STAGES_PER_WORKER = 2
 def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batch_size: int | None = None, *,
                     memory: float | str | None = None, link: Link | None = None, minibatches: int = 16,
                     schedules: Sequence[str] | None = None, microbatches: Sequence[int] = MICROBATCHES,
-                    recompute: bool | None = None) -> ScheduleChoice:
+                    recompute: bool | None = None, fewer_workers: bool = True) -> ScheduleChoice:
     """Price every schedule in ``schedules`` (default all) for ``workers`` and pick the fastest that fits.
 
     Args:
@@ -171,6 +171,9 @@ def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batc
         microbatches: the counts tried for schedules that split minibatches.
         recompute: price every row with activation recomputation (True), none (False), or a row only when
             it does not fit without (None).
+        fewer_workers: the schedules that replicate stages may run a plan for fewer workers where the
+            simulator finds it faster (:func:`~pipetrain.predict.pipeline.best_plan`); False where every
+            worker must take part (torchrun started them all).
 
     Raises:
         ValueError: an unknown schedule, or no row that can run and fit (the message lists why each failed).
@@ -190,7 +193,8 @@ def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batc
         key = _plan_key(name)
         if key not in plans:
             try:  # a looped schedule: a straight plan of its stages, as if each had a worker
-                plans[key] = plan(profile, workers * key[1], bandwidth, straight=key[0])
+                plans[key] = plan(profile, workers * key[1], bandwidth, straight=key[0]) if key[0] else \
+                    _replicated(profile, workers, bandwidth, link, batch, fewer_workers)
             except ValueError as e:
                 plans[key] = str(e)
         for m in microbatch_counts(name, batch, microbatches):
@@ -202,6 +206,16 @@ def choose_schedule(profile: Profile, workers: int, bandwidth: float | str, batc
     chosen = plans[_plan_key(rows[best].schedule)]
     assert isinstance(chosen, Plan)
     return ScheduleChoice(rows, best, chosen, _reason(rows, best, limit))
+
+
+def _replicated(profile: Profile, workers: int, bandwidth: float | str, link: Link, batch: int,
+                fewer_workers: bool) -> Plan:
+    """The plan the schedules that replicate stages run: the one ``pipetrain plan`` prints, the
+    simulator's pick among the partitioner's plans (and, with ``fewer_workers``, its plans for fewer)."""
+    proposed = propose(profile, workers, bandwidth)
+    if not fewer_workers:
+        proposed.alternatives = [p for p in proposed.alternatives if p.workers == workers]
+    return best_plan(profile, proposed, link, batch)
 
 
 def _plan_key(name: str) -> tuple[bool, int]:

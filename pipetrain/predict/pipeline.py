@@ -136,16 +136,18 @@ def halvings(workers: int) -> list[int]:
 
 
 def best_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None = None,
-              minibatches: int = 32) -> Plan:
-    """The fastest in the simulator's steady state of ``chosen`` and its :attr:`~Plan.alternatives` (plans
-    for fewer workers), priced as :func:`price_plan` prices it; of equally fast ones the fewest workers.
+              minibatches: int = 32, schedule: PipelineSchedule = PipeDream()) -> Plan:
+    """The fastest in the simulator's steady state under ``schedule`` of ``chosen`` and its
+    :attr:`~Plan.alternatives` (plans for fewer workers), priced as :func:`price_plan` prices it; of
+    equally fast ones the fewest workers.
 
     Why: the partitioner's model (PipeDream §3.2) hides a replicated stage's sync behind its compute and
     lets its replicas run unsynchronized, while pipetrain's ``pipedream`` schedule syncs every round
     before a replica's next forward, so a plan with more replicas can run slower than one for fewer
     workers, and plans the model finds equally fast need not be (docs/planning.md, scaling). Every
-    candidate's simulated minibatches/s (0 for one skipped as no faster than its bound) is kept in ``options["simulated"]`` and the workers asked for in
-    ``options["asked_workers"]``, so a plan that uses fewer can say so."""
+    candidate's simulated minibatches/s (0 for one skipped as no faster than its bound) is kept in
+    ``options["simulated"]`` and the workers asked for in ``options["asked_workers"]``, so a plan that uses
+    fewer can say so."""
     unique: dict[tuple[int, str, tuple[int, ...]], Plan] = {}
     for p in [chosen, *chosen.alternatives]:  # of two models' same plan, the first's (the paper's) figures
         unique.setdefault((p.workers, p.config, tuple(p.boundaries)), p)
@@ -154,7 +156,7 @@ def best_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None
     rates: list[float] = []
     for p in plans:  # a plan whose bound is below the best rate found cannot win: not simulated (rate 0)
         top = max(rates, default=0.0)
-        rates.append(simulate_steady(profile, p, link, batch_size, minibatches=minibatches).minibatches_per_s
+        rates.append(simulate_steady(profile, p, link, batch_size, schedule, minibatches).minibatches_per_s
                      if _bound(p) * BOUND_SLACK >= top * (1 - 1e-9) else 0.0)
     top = max(rates)
     best = min((i for i, r in enumerate(rates) if r >= top * (1 - 1e-9)), key=lambda i: plans[i].workers)
