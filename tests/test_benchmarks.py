@@ -105,3 +105,21 @@ def test_big_model_saves_the_trained_model_and_trains_as_torch_does(tmp_path: Pa
     # both systems trained the same job
     assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["ranks"][-1]["losses"])) < 1e-4
     assert not (tmp_path / "tiny-trained").exists() and (tmp_path / "tiny" / "config.json").exists()
+
+
+def test_scaling_strategies_prices_every_strategy_and_draws_them(tmp_path: Path) -> None:
+    vgg16 = Path(__file__).resolve().parent.parent / "pipetrain" / "data" / "pipedream" / "vgg16.graph.txt"
+    points = tmp_path / "points.jsonl"
+    done = run("scaling_strategies.py", "--profiles", str(vgg16), "--workers", "8,16", "--bandwidths", "1Gbit",
+               "--modes", "weak,strong", "--jsonl", str(points), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in points.read_text().splitlines()]
+    assert [(r["mode"], r["workers"]) for r in rows] == [("weak", 8), ("weak", 16), ("strong", 8), ("strong", 16)]
+    weak8 = rows[0]
+    assert weak8["plan"] == "7-1 (8)" and set(weak8["rates"]) == {"pipeline", "ddp", "pipe-sgd", "pipe-sgd-trunc16",
+                                                                 "pipe-sgd-quant8"}
+    assert weak8["rates"]["pipeline"] > weak8["rates"]["ddp"] > 0  # heavy weights on a slow link
+    drawn = tmp_path / "scaling.png"
+    shown = run("scaling_strategies.py", "--table", str(points), "--png", str(drawn), timeout=120)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "| vgg16 | weak | 1Gbit | " in shown.stdout and drawn.stat().st_size > 10_000
