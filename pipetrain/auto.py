@@ -160,9 +160,11 @@ def plan_stages(t: Training, run: RunOptions, schedule: PipelineSchedule, worker
     found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH, memory), run)
     phases.update(found["phases"])
     chosen = Plan.from_dict(found["plan"])
-    if chosen.workers < workers and int(os.environ.get("RANK", "0")) == 0:
-        print(f"pipetrain: the plan uses {chosen.workers} of the {workers} workers: no plan for more runs faster in "
-              f"the simulator ({chosen.config})", flush=True)
+    fewer = chosen.options.get("fewer_workers_faster")
+    if fewer and int(os.environ.get("RANK", "0")) == 0:
+        print(f"pipetrain: a plan for {fewer['workers']} of the {workers} workers ({fewer['config']}) simulates "
+              f"faster than any for all {workers}; `pipetrain plan` shows it, workers={fewer['workers']} runs it",
+              flush=True)
     return chosen, found["predicted"]
 
 
@@ -172,10 +174,10 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
 
     [Note: one stage against the plan] The partitioner's model (PipeDream §3.2) lets a replicated
     stage's sync overlap its compute, so for a schedule that replicates stages the simulator picks among
-    the partitioner's plans and its plans for fewer workers (:func:`pipetrain.predict.pipeline.best_plan`;
-    under torchrun only plans that use every worker), and that plan is simulated beside every layer as one
-    stage on all the workers, and the faster is taken (the plan's ``options["simulated_samples_per_s"]``
-    holds both).
+    the partitioner's plans for the workers asked (:func:`pipetrain.predict.pipeline.best_plan`; where a
+    plan for fewer workers simulates faster, the plan's ``options["fewer_workers_faster"]`` says which),
+    and that plan is simulated beside every layer as one stage on all the workers, and the faster is taken
+    (the plan's ``options["simulated_samples_per_s"]`` holds both).
 
     Each is simulated for an epoch of its schedule, filled and drained, as ``samples_per_s`` measures it
     (:func:`pipetrain.result.training_rate`), on the links this run has (the measured transport locally,
@@ -189,13 +191,17 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     at = measured if m == 1 else as_minibatch(
         measured_profile(t, run, workers, batch_size=t.batch_size // m, ring_cpu=False), m)
     options: dict[str, Any] = {"memory": memory, "recompute": t.recompute, "schedule": schedule}
+    fewer = None
     if straight:
         candidates = [plan(measured, workers, bandwidth, straight=True, **options)]
-    else:  # replicated stages: the simulator picks among the partitioner's plans and its plans for fewer workers
+    else:  # replicated stages: the simulator picks among the partitioner's plans for the workers asked
         proposed = propose(measured, workers, bandwidth, **options)
-        if under_torchrun():  # torchrun started every worker: a plan must use them all
-            proposed.alternatives = [p for p in proposed.alternatives if p.workers == workers]
-        candidates = [best_plan(at, proposed, link, t.batch_size, schedule=schedule)]
+        fastest = best_plan(at, proposed, link, t.batch_size, schedule=schedule)
+        proposed.alternatives = [p for p in proposed.alternatives if p.workers == workers]
+        candidates = [fastest if fastest.workers == workers else
+                      best_plan(at, proposed, link, t.batch_size, schedule=schedule)]
+        if fastest.workers < workers:  # said, not taken: the job runs on the workers it was given
+            fewer = {"workers": fastest.workers, "config": fastest.config, "samples_per_s": fastest.samples_per_s}
     if not straight and len(candidates[0].stages) > 1 and memory is None:  # one stage holds the whole model
         candidates.append(plan(measured, workers, bandwidth, one_stage=True))
     rates = [predict_plan(at, c, link, t.batch_size, schedule,
@@ -205,6 +211,8 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     chosen = candidates[best]
     if len(candidates) > 1:
         chosen.options["simulated_samples_per_s"] = {c.config: r for c, r in zip(candidates, rates)}
+    if fewer is not None and best == 0:  # the pipeline is taken, and a plan for fewer workers beats it
+        chosen.options["fewer_workers_faster"] = fewer
     measuring = [measured] if at is measured else [measured, at]
     phases = {key: sum(p.meta.get(key, 0.0) for p in measuring) for key in _phases(t)}
     phases["plan_s"] = time.perf_counter() - begun - sum(phases.values())
@@ -230,7 +238,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
         link = Link(parse_bandwidth(bandwidth or DEFAULT_BANDWIDTH)) if under_torchrun() else Link()
         found = choose_schedule(measured, workers, bandwidth or DEFAULT_BANDWIDTH, t.batch_size, memory=memory,
                                 link=link, minibatches=max(t.epoch_minibatches(1), 1),
-                                recompute=True if t.recompute else None, fewer_workers=not under_torchrun())
+                                recompute=True if t.recompute else None, fewer_workers=False)
         spent = {key: measured.meta.get(key, 0.0) for key in _phases(t)}
         spent["plan_s"] = time.perf_counter() - begun - sum(spent.values())
         return {"choice": found.to_dict(), "phases": spent}
