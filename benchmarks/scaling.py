@@ -56,17 +56,35 @@ def point(profile: Profile, workers: int, bandwidth: str) -> dict[str, Any]:
             "plan_s": plan_s}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def grid_options(parser: argparse.ArgumentParser) -> None:
+    """The grid's options, shared with ``scaling_strategies.py``: profiles, worker counts, links, and the
+    JSON-lines file the points go to or come back from."""
     parser.add_argument("--profiles", default=",".join(str(p) for p in sorted(SHIPPED.glob("*.graph.txt"))),
                         help="comma-separated profile files")
     parser.add_argument("--workers", default=",".join(map(str, WORKERS)))
     parser.add_argument("--bandwidths", default=",".join(BANDWIDTHS))
     parser.add_argument("--jsonl", help="append each point as a JSON line to this file")
-    parser.add_argument("--table", metavar="JSONL", help="only print the grid of points an earlier --jsonl holds")
+    parser.add_argument("--table", metavar="JSONL", help="only print the table of points an earlier --jsonl holds")
+
+
+def read_points(path: str) -> list[dict[str, Any]]:
+    """The points a ``--jsonl`` file holds."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def keep_point(path: str | None, row: dict[str, Any]) -> None:
+    """Append ``row`` to the ``--jsonl`` file, if one was given."""
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps(row) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    grid_options(parser)
     args = parser.parse_args(argv)
     if args.table:
-        rows = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
+        rows = read_points(args.table)
         grid(rows)
         summarize(rows)
         return 0
@@ -86,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["holds"] = row["printed"] >= best_fewer * (1 - 1e-9)
                 best_fewer = max(best_fewer, row["printed"])
                 rows.append(row)
-                if args.jsonl:
-                    with open(args.jsonl, "a") as out:
-                        out.write(json.dumps(row) + "\n")
+                keep_point(args.jsonl, row)
                 print(f"| {name} | {bandwidth} | {workers} | {row['config']} ({row['used']}) | {row['printed']:.1f} | "
                       f"{row['longer']:.1f} | {row['partitioner']:.1f} ({row['partitioner_config']}: "
                       f"{row['partitioner_own']:.1f} / {row['partitioner_own_simulated']:.1f}) | "

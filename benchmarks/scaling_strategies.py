@@ -19,7 +19,6 @@ run set-up every figure is a compute-only bound that charges the links their byt
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -31,10 +30,8 @@ from pipetrain.planning.choose import CANDIDATES
 from pipetrain.planning.schedules import choose_schedule
 from pipetrain.profiling import Profile, as_minibatch
 from pipetrain.simulate import Link
+from scaling import grid_options, keep_point, read_points
 
-SHIPPED = Path(__file__).resolve().parents[1] / "pipetrain" / "data" / "pipedream"
-WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024)
-BANDWIDTHS = ("1Gbit", "10Gbit", "25Gbit")
 STRATEGIES = ("pipeline", "ddp", "pipe-sgd", "pipe-sgd-trunc16", "pipe-sgd-quant8")
 SHORT = {"pipeline": "pipe", "ddp": "ddp", "pipe-sgd": "psgd", "pipe-sgd-trunc16": "t16", "pipe-sgd-quant8": "q8"}
 
@@ -71,19 +68,14 @@ def point(profile: Profile, workers: int, bandwidth: str, mode: str, batch: int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profiles", default=",".join(str(p) for p in sorted(SHIPPED.glob("*.graph.txt"))),
-                        help="comma-separated profile files")
-    parser.add_argument("--workers", default=",".join(map(str, WORKERS)))
-    parser.add_argument("--bandwidths", default=",".join(BANDWIDTHS))
+    grid_options(parser)
     parser.add_argument("--modes", default="weak,strong")
     parser.add_argument("--batch", type=int, default=64, help="samples each profile's layer times are for")
     parser.add_argument("--global-batch", type=int, default=1024, help="strong scaling's minibatch")
-    parser.add_argument("--jsonl", help="append each point as a JSON line to this file")
-    parser.add_argument("--table", metavar="JSONL", help="only print the table of points an earlier --jsonl holds")
     parser.add_argument("--png", help="with --table: also draw samples/s against workers, one panel per profile and mode")
     args = parser.parse_args(argv)
     if args.table:
-        rows = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
+        rows = read_points(args.table)
         table(rows)
         if args.png:
             draw(rows, args.png)
@@ -97,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 for workers in sorted(int(w) for w in args.workers.split(",")):
                     row = {"profile": name, **point(profile, workers, bandwidth, mode, args.batch, args.global_batch)}
                     rows.append(row)
-                    if args.jsonl:
-                        with open(args.jsonl, "a") as out:
-                            out.write(json.dumps(row) + "\n")
+                    keep_point(args.jsonl, row)
                     cells = " ".join(f"{SHORT[k]} {v:.0f}" if v else f"{SHORT[k]} -" for k, v in row["rates"].items())
                     print(f"{name} {mode} {bandwidth} {workers}: {cells}; plan {row['plan']}; schedule auto "
                           f"{row['schedule']}; planner {row['plan_s']:.1f} s + {row['schedule_s']:.1f} s", flush=True)

@@ -132,21 +132,25 @@ class Stashing(Live):
             self._free.append(copy)
 
 
-class VerticalSync(Stashing):
-    """Run minibatch t with the version the input stage used for t, at every stage."""
-
-    recycle = False  # copies also live in the version table; let the garbage collector free them
+class _Versioned(Stashing):
+    """Stashing that also keeps a table of weight versions (version -> weights), held like the stashes."""
 
     def __init__(self, stage: nn.Module, tied: Collection[str] = ()) -> None:
         super().__init__(stage, tied)
-        self._versions: dict[int, Weights] = {}  # version -> weights; filled from the first forward on
-
-    def updated(self, minibatches: int) -> None:
-        super().updated(minibatches)
-        self._versions[self.version] = self._copy()
+        self._versions: dict[int, Weights] = {}
 
     def _held(self) -> list[Weights]:
         return [*super()._held(), *self._versions.values()]
+
+
+class VerticalSync(_Versioned):
+    """Run minibatch t with the version the input stage used for t, at every stage."""
+
+    recycle = False  # versions leave the table unreleased; let the garbage collector free them
+
+    def updated(self, minibatches: int) -> None:
+        super().updated(minibatches)
+        self._versions[self.version] = self._copy()  # filled from the first forward on
 
     def forward_weights(self, mb: int, tag: int | None) -> Weights:
         if not self._versions:  # no update can precede a stage's first forward
@@ -161,7 +165,7 @@ class VerticalSync(Stashing):
         return self._stash[mb]
 
 
-class DoubleBuffered(Stashing):
+class DoubleBuffered(_Versioned):
     """PipeDream-2BW: minibatch k of an epoch runs at the version after max(0, k-1) of its updates;
     on a stage of r replicas, round q = k // r of a replica's minibatches at the version after
     max(0, q-1) of them (r minibatches each).
@@ -173,8 +177,7 @@ class DoubleBuffered(Stashing):
     """
 
     def __init__(self, stage: nn.Module, tied: Collection[str] = ()) -> None:
-        super().__init__(stage, tied)
-        self._versions: dict[int, Weights] = {}  # the newest version and the one before it
+        super().__init__(stage, tied)  # its version table: the newest version and the one before it
         self._base, self._replicas = 0, 1  # the version the epoch started at, the stage's workers
 
     def begin(self, replicas: int) -> None:
@@ -195,9 +198,6 @@ class DoubleBuffered(Stashing):
 
     def version_of(self, mb: int, tag: int | None) -> int:
         return self._at[mb]
-
-    def _held(self) -> list[Weights]:
-        return [*super()._held(), *self._versions.values()]
 
     def updated(self, minibatches: int) -> None:
         super().updated(minibatches)
