@@ -160,12 +160,18 @@ def plan_stages(t: Training, run: RunOptions, schedule: PipelineSchedule, worker
     found = on_rank0(lambda: _plan_here(t, run, schedule, workers, bandwidth or DEFAULT_BANDWIDTH, memory), run)
     phases.update(found["phases"])
     chosen = Plan.from_dict(found["plan"])
-    fewer = chosen.options.get("fewer_workers_faster")
+    say_fewer(chosen, workers)
+    return chosen, found["predicted"]
+
+
+def say_fewer(chosen: Plan | None, workers: int) -> None:
+    """On rank 0, one line when a plan for fewer than the job's ``workers`` would run faster than
+    ``chosen`` (its ``options["fewer_workers_faster"]``): the job keeps the workers it was given."""
+    fewer = chosen.options.get("fewer_workers_faster") if chosen is not None else None
     if fewer and int(os.environ.get("RANK", "0")) == 0:
         print(f"pipetrain: a plan for {fewer['workers']} of the {workers} workers ({fewer['config']}) simulates "
               f"faster than any for all {workers}; `pipetrain plan` shows it, workers={fewer['workers']} runs it",
               flush=True)
-    return chosen, found["predicted"]
 
 
 def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers: int,
@@ -191,17 +197,11 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     at = measured if m == 1 else as_minibatch(
         measured_profile(t, run, workers, batch_size=t.batch_size // m, ring_cpu=False), m)
     options: dict[str, Any] = {"memory": memory, "recompute": t.recompute, "schedule": schedule}
-    fewer = None
     if straight:
         candidates = [plan(measured, workers, bandwidth, straight=True, **options)]
     else:  # replicated stages: the simulator picks among the partitioner's plans for the workers asked
-        proposed = propose(measured, workers, bandwidth, **options)
-        fastest = best_plan(at, proposed, link, t.batch_size, schedule=schedule)
-        proposed.alternatives = [p for p in proposed.alternatives if p.workers == workers]
-        candidates = [fastest if fastest.workers == workers else
-                      best_plan(at, proposed, link, t.batch_size, schedule=schedule)]
-        if fastest.workers < workers:  # said, not taken: the job runs on the workers it was given
-            fewer = {"workers": fastest.workers, "config": fastest.config, "samples_per_s": fastest.samples_per_s}
+        candidates = [best_plan(at, propose(measured, workers, bandwidth, **options), link, t.batch_size,
+                                schedule=schedule, every_worker=True)]
     if not straight and len(candidates[0].stages) > 1 and memory is None:  # one stage holds the whole model
         candidates.append(plan(measured, workers, bandwidth, one_stage=True))
     rates = [predict_plan(at, c, link, t.batch_size, schedule,
@@ -211,8 +211,6 @@ def _plan_here(t: Training, run: RunOptions, schedule: PipelineSchedule, workers
     chosen = candidates[best]
     if len(candidates) > 1:
         chosen.options["simulated_samples_per_s"] = {c.config: r for c, r in zip(candidates, rates)}
-    if fewer is not None and best == 0:  # the pipeline is taken, and a plan for fewer workers beats it
-        chosen.options["fewer_workers_faster"] = fewer
     measuring = [measured] if at is measured else [measured, at]
     phases = {key: sum(p.meta.get(key, 0.0) for p in measuring) for key in _phases(t)}
     phases["plan_s"] = time.perf_counter() - begun - sum(phases.values())
@@ -249,6 +247,7 @@ def plan_schedule(t: Training, run: RunOptions, workers: int, bandwidth: float |
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"pipetrain: schedule auto\n{choice.table()}\n{choice.reason}", flush=True)
     chosen = choice.plan
+    say_fewer(chosen, workers)
     chosen.options["schedules"] = found["choice"]
     return choice.schedule(), chosen, choice.chosen.samples_per_s or 0.0, choice.chosen.recompute
 
@@ -268,7 +267,7 @@ def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | 
             print(f"pipetrain: profiled the compiled layers; compiling them took {measured.meta['compile_s']:.1f} s, "
                   "which no prediction counts", flush=True)
         return choose_strategy(measured, workers, bandwidth, batch_size=t.batch_size, one_machine=one_machine,
-                               allow_compression=allow_compression).to_dict()
+                               allow_compression=allow_compression, every_worker=True).to_dict()
 
     found = on_rank0(work, run)
     choice = Choice.from_dict(found)
@@ -276,6 +275,7 @@ def choose(t: Training, run: RunOptions, workers: int, bandwidth: float | str | 
         print(f"pipetrain: strategy auto\n{choice.table()}\n{choice.reason}", flush=True)
     picked = dict(choice.options[choice.choice])
     name, stages = picked.pop("strategy"), picked.pop("stages", None)
+    say_fewer(stages, workers)
     schedule = make("schedule", picked.pop("schedule"), {}) if "schedule" in picked else None
     return Chosen(make("strategy", name, picked), schedule, stages, found)
 

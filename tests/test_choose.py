@@ -73,6 +73,22 @@ def test_auto_runs_the_simulators_pick_of_the_plans_for_the_workers_asked(monkey
     assert "a plan for 43 of the 64 workers (42-1) simulates faster" in capsys.readouterr().out
 
 
+def test_strategy_auto_in_a_job_prices_the_plans_for_every_worker():
+    """vgg16 on 64 workers at 10 Gbit/s, as the test above: ``pipetrain plan --strategies all`` takes the
+    plan for 43 workers (42-1) that simulates faster; a job keeps its 64 (``every_worker``), so its
+    pipeline runs 42-1-1-1-1-18 and its table names the faster plan for fewer."""
+    profile = Profile.load(Path(__file__).resolve().parents[1] / "pipetrain" / "data" / "pipedream" / "vgg16.graph.txt")
+    asked = dict(batch_size=64, strategies=["pipeline", "ddp"])
+    shown = choose_strategy(profile, 64, "10Gbit", **asked).options["pipeline"]["stages"]
+    kept = choose_strategy(profile, 64, "10Gbit", every_worker=True, **asked)
+    chosen = kept.options["pipeline"]["stages"]
+    assert (shown.config, shown.workers) == ("42-1", 43)
+    assert (chosen.config, chosen.workers) == ("42-1-1-1-1-18", 64)
+    assert chosen.options["fewer_workers_faster"]["config"] == "42-1"
+    assert kept.predictions["pipeline"] < shown.samples_per_s
+    assert "one for 43 workers (42-1) simulates faster" in kept.table()
+
+
 def heavy_weights() -> Profile:
     """Four layers with 25 MB of weights each and small activations: a pipeline's job at 100 Mbit/s."""
     layers = [LayerProfile(str(i), 10 * MS, 20 * MS, 4_000, 25_000_000) for i in range(4)]

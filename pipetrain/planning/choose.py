@@ -74,14 +74,17 @@ class Choice:
 
 def _how(options: dict[str, Any]) -> str:
     if "stages" in options:
-        return f"plan {options['stages'].config}, NOAM {options['stages'].noam}"
+        chosen = options["stages"]
+        fewer = chosen.options.get("fewer_workers_faster")
+        return f"plan {chosen.config}, NOAM {chosen.noam}" + (
+            f"; one for {fewer['workers']} workers ({fewer['config']}) simulates faster" if fewer else "")
     return ", ".join(f"{k} {v}" for k, v in options.items() if k != "strategy") or "synchronous"
 
 
 def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | None = None, *,
                     batch_size: int | None = None, one_machine: bool | None = None, allow_compression: bool = False,
                     strategies: Sequence[str] | None = None, host_costs: dict[str, float] | None = None,
-                    minibatches: int | None = None) -> Choice:
+                    minibatches: int | None = None, every_worker: bool = False) -> Choice:
     """Predict samples/s of every strategy in ``strategies`` (default all of :data:`CANDIDATES`) and pick
     the fastest.
 
@@ -98,6 +101,9 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
         host_costs: CGDP's ``copy_s_per_byte`` and ``sum_s_per_byte`` (default: measured here,
             :func:`pipetrain.strategies.cgdp.measure_host_costs`).
         minibatches: simulated per candidate (default: each prediction's own).
+        every_worker: the pipeline runs a plan for all ``workers`` (a job keeps the workers it was
+            started on), its plan's ``options["fewer_workers_faster"]`` naming a faster one for fewer;
+            else it may take fewer where more cannot help, as ``pipetrain plan`` does.
 
     Raises:
         ValueError: an unknown candidate, workers < 1, or no candidate that can run.
@@ -118,7 +124,7 @@ def choose_strategy(profile: Profile, workers: int, bandwidth: float | str | Non
     options: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for name in names:
-        candidate = CANDIDATES[name]
+        candidate = Pipeline(every_worker=True) if name == "pipeline" and every_worker else CANDIDATES[name]
         why = candidate.cannot_run(workers, batch, one_machine)
         if why:
             skipped[name] = why

@@ -212,10 +212,7 @@ def _replicated(profile: Profile, workers: int, bandwidth: float | str, link: Li
                 fewer_workers: bool) -> Plan:
     """The plan the schedules that replicate stages run: the one ``pipetrain plan`` prints, the
     simulator's pick among the partitioner's plans (and, with ``fewer_workers``, its plans for fewer)."""
-    proposed = propose(profile, workers, bandwidth)
-    if not fewer_workers:
-        proposed.alternatives = [p for p in proposed.alternatives if p.workers == workers]
-    return best_plan(profile, proposed, link, batch)
+    return best_plan(profile, propose(profile, workers, bandwidth), link, batch, every_worker=not fewer_workers)
 
 
 def _plan_key(name: str) -> tuple[bool, int]:

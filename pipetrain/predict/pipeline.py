@@ -136,7 +136,7 @@ def halvings(workers: int) -> list[int]:
 
 
 def best_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None = None,
-              minibatches: int = 32, schedule: PipelineSchedule = PipeDream()) -> Plan:
+              minibatches: int = 32, schedule: PipelineSchedule = PipeDream(), every_worker: bool = False) -> Plan:
     """The fastest in the simulator's steady state under ``schedule`` of ``chosen`` and its
     :attr:`~Plan.alternatives` (plans for fewer workers), priced as :func:`price_plan` prices it; of
     equally fast ones the fewest workers.
@@ -147,7 +147,20 @@ def best_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None
     workers, and plans the model finds equally fast need not be (docs/planning.md, scaling). Every
     candidate's simulated minibatches/s (0 for one skipped as no faster than its bound) is kept in
     ``options["simulated"]`` and the workers asked for in ``options["asked_workers"]``, so a plan that uses
-    fewer can say so."""
+    fewer can say so.
+
+    With ``every_worker`` only the plans for all of ``chosen``'s workers are taken, as a job started on
+    them runs; where a plan for fewer simulates faster, ``options["fewer_workers_faster"]`` names it
+    (``workers``, ``config``, ``samples_per_s``) so that the job can say so."""
+    if every_worker:
+        fastest = best_plan(profile, chosen, link, batch_size, minibatches, schedule)
+        if fastest.workers == chosen.workers:
+            return fastest
+        mine = replace(chosen, alternatives=[p for p in chosen.alternatives if p.workers == chosen.workers])
+        taken = best_plan(profile, mine, link, batch_size, minibatches, schedule)
+        taken.options["fewer_workers_faster"] = {"workers": fastest.workers, "config": fastest.config,
+                                                 "samples_per_s": fastest.samples_per_s}
+        return taken
     unique: dict[tuple[int, str, tuple[int, ...]], Plan] = {}
     for p in [chosen, *chosen.alternatives]:  # of two models' same plan, the first's (the paper's) figures
         unique.setdefault((p.workers, p.config, tuple(p.boundaries)), p)

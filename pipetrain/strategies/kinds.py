@@ -138,11 +138,17 @@ class Strategy:
 
 @dataclass(frozen=True)
 class Pipeline(Strategy):
-    """Stages on workers, run by a :class:`PipelineSchedule` (PipeDream and others)."""
+    """Stages on workers, run by a :class:`PipelineSchedule` (PipeDream and others).
+
+    Attributes:
+        every_worker: price only plans for every worker, as a job started on them runs (``train``'s
+            ``strategy="auto"``); else a plan for fewer where it is faster, as ``pipetrain plan`` shows it.
+    """
 
     name: ClassVar[str] = "pipeline"
     data_parallel: ClassVar[bool] = False
     summary: ClassVar[str] = "stages on workers, run by a schedule (PipeDream and others)"
+    every_worker: bool = False
 
     def synchronizer(self, ctx: SyncContext) -> GradSync | None:
         return replica_groups(ctx)
@@ -159,7 +165,8 @@ class Pipeline(Strategy):
         """PipeDream's best plan (§3.2) run by the ``pipedream`` schedule. A plan that puts the whole
         model on every worker is data parallelism: it competes as such, not as a pipeline."""
         chosen = best_plan(profile, propose(profile, workers, link.bandwidth_Bps if link.bandwidth_Bps < math.inf
-                                            else 1e15), link, batch_size, minibatches or 32)
+                                            else 1e15), link, batch_size, minibatches or 32,
+                           every_worker=self.every_worker)
         if len(chosen.stages) == 1:
             return Priced(0.0, self, chosen, f"the best plan is one stage on every worker ({chosen.samples_per_s:.0f} "
                                              "samples/s as `train --plan` runs it): data parallelism, competes as ddp")
