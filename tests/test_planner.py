@@ -336,3 +336,30 @@ def test_cli_plan_errors_are_one_line(capsys, tmp_path):
     assert code == 1 and "at most 40 workers" in err and err.count("\n") == 1
     code, _, err = run_cli(capsys, "plan", str(VGG16), "--workers", "8", "--bandwidth", "fast")
     assert code == 1 and "cannot read bandwidth 'fast'" in err
+
+
+def test_price_stages_prices_a_plan_given_by_hand_as_the_partitioner_does():
+    """Two layers: 0.3 s and 0.1 s of compute, 120 MB of weights in the first, 10 MB crossing the cut,
+    1 GB/s. As 3-1 with a parameter server (§3.2): the first stage syncs 4 x 2/3 x 120 MB = 320 MB in
+    0.32 s, so T = max(0.3, 0.32) / 3; the cut costs 2 x 10 ms; the second stage 0.1 s. With each sync
+    added to its stage's compute, T = (0.3 + 0.32) / 3. The partitioner's own plan is priced alike."""
+    from pipetrain.planning.partition import price_stages
+
+    layers = [LayerProfile("a", 0.1, 0.2, 10_000_000, 120_000_000), LayerProfile("b", 0.05, 0.05, 0, 0)]
+    profile = Profile(layers, batch_size=8, device="test")
+    hidden = price_stages(profile, [0, 1], [3, 1], 1e9)
+    assert [(s.first_layer, s.last_layer, s.replicas) for s in hidden.stages] == [(0, 0, 3), (1, 1, 1)]
+    assert hidden.stages[0].time_s == pytest.approx(0.32 / 3)
+    assert hidden.stages[0].boundary_s == pytest.approx(0.02)
+    assert (hidden.stages[1].time_s, hidden.stages[1].boundary_s) == (pytest.approx(0.1), 0.0)
+    assert hidden.stage_time_s == pytest.approx(0.32 / 3) and hidden.speedup_vs_one == pytest.approx(0.4 * 3 / 0.32)
+    added = price_stages(profile, [0, 1], [3, 1], 1e9, sync_overlaps=False)
+    assert added.stages[0].time_s == pytest.approx(0.62 / 3) and added.config == "3-1"
+    vgg = Profile.load(Path(__file__).resolve().parents[1] / "pipetrain" / "data" / "pipedream" / "vgg16.graph.txt")
+    chosen = plan(vgg, 8, "10Gbit")
+    again = price_stages(vgg, chosen.boundaries, chosen.replicas, "10Gbit")
+    assert again.stages == pytest.approx(chosen.stages) and again.stage_time_s == pytest.approx(chosen.stage_time_s)
+    with pytest.raises(ValueError, match="first layer, from 0 and rising"):
+        price_stages(profile, [1], [4], 1e9)
+    with pytest.raises(ValueError, match="one count of at least 1 per stage"):
+        price_stages(profile, [0, 1], [3], 1e9)

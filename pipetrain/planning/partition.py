@@ -31,6 +31,7 @@ two-level topology, which doubles the table and prices every boundary, take a fe
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,6 +108,58 @@ class _Terms:
         sync = dp_sync_bytes(params, replicas, allreduce) / np.minimum(bandwidth, self.ring_rate) \
             + 2 * (replicas - 1) * self.ring_latency
         return stage_time(work + straggler_s(work, self.jitter, replicas), sync, replicas, overlap)
+
+
+@dataclass(frozen=True)
+class _Sums:
+    """A profile's running sums (index j: layers before j) and per-cut costs, from which the dynamic
+    program and :func:`price_stages` price a stage of layers i..j-1 and the boundary before layer j.
+
+    [Note: run set-up] of the simulator, in the planner's terms: a stage pays the CPU of the two
+    message ends at each of its cuts (activations and gradients), a stashed copy of its weights (not
+    the output stage), its compute slowed by workers sharing cores; a boundary pays the message
+    latency and the slower of the link and the transport; a replicated stage its sync and its wait for
+    the slowest replica (:meth:`_Terms.stage_s`)."""
+
+    n: int
+    compute: np.ndarray
+    params: np.ndarray
+    grads: np.ndarray
+    states: np.ndarray
+    acts: np.ndarray
+    cut: np.ndarray  # bytes crossing the boundary before layer j; nothing crosses after the last layer
+    cpu: np.ndarray  # the CPU of a cut's two message ends
+    copy_per_byte: float
+    transport: float  # the measured transport's bytes per second
+    terms: _Terms
+
+    @staticmethod
+    def of(profile: Profile) -> _Sums:
+        layers, setup, n = profile.layers, profile.setup, len(profile)
+
+        def running(values: list[float]) -> np.ndarray:
+            return np.concatenate([np.zeros(1), np.cumsum(values)])
+        cut = np.array([float(profile.input_bytes)] + [float(x.activation_bytes) for x in layers[:-1]] + [0.0])
+        return _Sums(n, running(list(profile.work_s())), running([float(x.parameter_bytes) for x in layers]),
+                     running([float(x.gradient_bytes) for x in layers]),
+                     running([float(x.optimizer_bytes) for x in layers]),
+                     running([float(x.activation_bytes) for x in layers]), cut,
+                     np.array([0.0] + [2 * setup.shared_cpu(c) if setup else 0.0 for c in cut[1:n]] + [0.0]),
+                     0.0 if setup is None else setup.copy_s_per_byte,
+                     INF if setup is None or setup.s_per_byte == 0 else 1 / setup.s_per_byte, _Terms.of(setup))
+
+    def stage_s(self, i: int, js: np.ndarray, r: Any, bandwidth: Any, allreduce: str, overlap: bool) -> Any:
+        """T of layers i..j-1 (each j of ``js``) on ``r`` replicas syncing at ``bandwidth``."""
+        part = self.params[js] - self.params[i]
+        work = stage_work_s(self.compute[js] - self.compute[i], 0.0,
+                            np.where(js < self.n, part * self.copy_per_byte, 0.0), self.cpu[i] + self.cpu[js],
+                            self.terms.slowdown)
+        return self.terms.stage_s(work, part, r, bandwidth, allreduce, overlap)
+
+    def boundary_s(self, js: np.ndarray, bandwidth: Any) -> Any:
+        """2 C of the cut before each layer j of ``js`` at ``bandwidth``; 0 after the last layer."""
+        return np.where(js < self.n, boundary_time(self.cut[js], np.minimum(bandwidth, self.transport),
+                                                   self.terms.latency), 0.0)
 
 
 @dataclass
@@ -212,6 +265,37 @@ def plan(profile: Profile | str | os.PathLike, workers: int, bandwidth: float | 
     return chosen
 
 
+def price_stages(profile: Profile, boundaries: Sequence[int], replicas: Sequence[int],
+                 bandwidth: float | str = "10Gbit", *, allreduce: str = "ps", sync_overlaps: bool = True) -> Plan:
+    """A plan given by hand (each stage's first layer and replicas), priced by the partitioner's model
+    (PipeDream §3.2, :func:`plan`'s T and 2 C on a flat cluster at ``bandwidth``): what the dynamic
+    program would predict for it, to set beside the simulator and a real run of the same plan.
+
+    Raises:
+        ValueError: stages that do not start at layer 0 and rise within the profile, or replicas not
+            one positive count per stage (or a tied layer in a replicated stage).
+    """
+    n, bw = len(profile), parse_bandwidth(bandwidth)
+    firsts, counts = [int(b) for b in boundaries], [int(r) for r in replicas]
+    if not firsts or firsts[0] != 0 or any(b <= a for a, b in zip(firsts, firsts[1:])) or firsts[-1] >= n:
+        raise ValueError(f"stages {firsts}: give each stage's first layer, from 0 and rising, below {n}")
+    if len(counts) != len(firsts) or min(counts) < 1:
+        raise ValueError(f"replicas {counts}: give one count of at least 1 per stage ({len(firsts)})")
+    sums, ties = _Sums.of(profile), [(np.array(layers), float(nbytes)) for layers, nbytes in profile.ties]
+    stages = []
+    for i, j, r in zip(firsts, [*firsts[1:], n], counts):
+        js = np.array([j])
+        T = _with_ties(sums.stage_s(i, js, r, bw, allreduce, sync_overlaps), ties, i, js, np.array(r),
+                       min(bw, sums.transport))
+        stages.append(StagePlan(i, j - 1, r, float(T[0]), float(sums.boundary_s(js, bw)[0])))
+    if math.isinf(max(s.time_s for s in stages)):
+        raise ValueError(f"replicas {counts}: a layer tied to another stage cannot be replicated")
+    workers = sum(counts)
+    return _result(profile, stages, workers, Topology(workers, bw, bw), allreduce,
+                   {"workers": workers, "bandwidth": bw, "allreduce": allreduce, "sync_overlaps": sync_overlaps,
+                    "model": profile.model, "batch_size": profile.batch_size})
+
+
 def _result(profile: Profile, stages: list[StagePlan], workers: int, topo: Topology, allreduce: str,
             options: dict[str, Any]) -> Plan:
     """The Plan of ``stages``: its period is the slowest stage's or boundary's time."""
@@ -292,25 +376,9 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
     position j, flag f), in that axis order."""
     N = len(profile)
     positions = np.arange(N + 1) if positions is None else positions
-    layers = profile.layers
-    zero = np.zeros(1)
-    compute = np.concatenate([zero, np.cumsum(profile.work_s())])
-    params = np.concatenate([zero, np.cumsum([float(x.parameter_bytes) for x in layers])])
-    grads = np.concatenate([zero, np.cumsum([float(x.gradient_bytes) for x in layers])])
-    states = np.concatenate([zero, np.cumsum([float(x.optimizer_bytes) for x in layers])])
-    acts = np.concatenate([zero, np.cumsum([float(x.activation_bytes) for x in layers])])
-    # cut[j]: bytes crossing the boundary before layer j; nothing crosses after the last layer.
-    cut = np.array([float(profile.input_bytes)] + [float(x.activation_bytes) for x in layers[:-1]] + [0.0])
-    # [Note: run set-up] of the simulator, in the planner's terms: a stage pays the CPU of the two
-    # message ends at each of its cuts (activations and gradients), a stashed copy of its weights
-    # (not the output stage), its compute slowed by workers sharing cores; a boundary pays the
-    # message latency and the slower of the link and the transport; a replicated stage its sync and
-    # its wait for the slowest replica (_Terms.stage_s).
-    setup = profile.setup
-    terms = _Terms.of(setup)
-    cpu = np.array([0.0] + [2 * setup.shared_cpu(c) if setup else 0.0 for c in cut[1:N]] + [0.0])
-    copy_per_byte = 0.0 if setup is None else setup.copy_s_per_byte
-    transport = np.inf if setup is None or setup.s_per_byte == 0 else 1 / setup.s_per_byte
+    sums = _Sums.of(profile)
+    grads, states, acts, cut = sums.grads, sums.states, sums.acts, sums.cut
+    transport = sums.transport
 
     two_level = topo.workers_per_server < M
     F = 2 if two_level else 1  # flag 0: the suffix's first stage lies in one server; 1: it spans servers
@@ -347,10 +415,8 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
     for k in range(len(positions) - 2, -1, -1):
         i, after = int(positions[k]), positions[k + 1:]
         js = after[None, None, :]
-        part = params[js] - params[i]
-        work = stage_work_s(compute[js] - compute[i], 0.0, np.where(js < N, part * copy_per_byte, 0.0),
-                            cpu[i] + cpu[js], terms.slowdown)
-        T = terms.stage_s(work, part, r, bw_stage, allreduce, overlap)
+        part = sums.params[js] - sums.params[i]
+        T = sums.stage_s(i, js, r, bw_stage, allreduce, overlap)
         if ties:
             T = _with_ties(T, ties, i, js, r, tie_bandwidth)
         if memory is not None:
@@ -358,8 +424,7 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
             T = np.where(memory.fits(part, grads[js] - grads[i], states[js] - states[i], float(cut[i]), stash, r,
                                      held, float(profile.baseline_bytes)), T, INF)
         # nothing crosses after the last layer: no boundary, and no message latency, behind the output stage
-        B = np.where((js < N)[..., None], boundary_time(cut[js][..., None], np.minimum(bw_boundary, transport),
-                                                        terms.latency), 0.0)
+        B = sums.boundary_s(js[..., None], bw_boundary)
         X = np.maximum(B, T[..., None])
         J = len(after)
         cand: np.ndarray = np.empty((M, R, J, F))
