@@ -123,3 +123,15 @@ def test_scaling_strategies_prices_every_strategy_and_draws_them(tmp_path: Path)
     shown = run("scaling_strategies.py", "--table", str(points), "--png", str(drawn), timeout=120)
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "| vgg16 | weak | 1Gbit | " in shown.stdout and drawn.stat().st_size > 10_000
+
+
+def test_replicated_plans_smoke_prices_and_runs_each_plan(tmp_path: Path) -> None:
+    out = tmp_path / "rp.json"
+    done = run("replicated_plans.py", "--smoke", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["configs"]) == {"3-1", "2-1-1"}
+    for row in report["configs"].values():
+        assert row["measured"] > 0 and row["simulated"] > 0 and row["paper"] > 0
+        assert row["errors"]["simulated"] == pytest.approx(row["simulated"] / row["measured"] - 1)
+    assert "| 3-1 (0," in done.stdout

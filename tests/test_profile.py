@@ -320,3 +320,32 @@ def test_with_a_time_per_layer_an_optimizer_step_on_the_same_shapes_is_timed_onc
     assert len(calls) == 2 and profile.layers[1].optimizer_s == profile.layers[0].optimizer_s
     profile_model(model, torch.randn(8, 4), optimizer=sgd, repeats=2, warmup=1)
     assert len(calls) == 5  # without it, every layer's step is timed
+
+
+class _Spy(nn.Linear):
+    """A Linear that records whether its input asks for a gradient, each time it runs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: set[bool] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.asked.add(x.requires_grad)
+        return super().forward(x)
+
+
+def test_a_layer_computes_its_input_gradient_only_once_a_layer_before_it_trains():
+    """As in a pipeline's input stage: after a Flatten the first Linear's backward never reaches the
+    data, nor does a Linear's behind a frozen one; after a layer that trains, a Linear's input gradient
+    is computed (a stage there sends it back). The first trained Linear's backward is all weights'."""
+    first, second = _Spy(16, 8), _Spy(8, 4)
+    model = nn.Sequential(nn.Flatten(), first, nn.ReLU(), second)
+    profile = profile_model(model, (torch.randn(4, 4, 4), torch.randint(4, (4,))), nn.functional.cross_entropy,
+                            repeats=2, warmup=0)
+    assert first.asked == {False} and second.asked == {True}
+    assert profile.layers[1].weight_backward_s == profile.layers[1].backward_s > 0
+    frozen, after = _Spy(16, 8), _Spy(8, 4)
+    frozen.requires_grad_(False)
+    profile_model(nn.Sequential(frozen, after), (torch.randn(4, 16), torch.randint(4, (4,))),
+                  nn.functional.cross_entropy, repeats=2, warmup=0)
+    assert after.asked == {False}

@@ -31,22 +31,33 @@ def profile_here(cfg: SuiteConfig, peer: PeerConfig, batch: int,
         return profile_model(peer.build(), (x, y), peer.spec.loss_fn, optimizer=optimizer, repeats=5, warmup=2)
 
 
+def profile_with_setup(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, step_rows: int,
+                       ring_cpu: bool = True) -> Profile:
+    """The inputs ``stages="auto"`` and ``strategy="auto"`` predict from when they start: the model
+    profiled here on the first minibatch (the workers' thread count and SGD), building that minibatch
+    from the dataset timed (:func:`pipetrain.profiling.time_batching`), and the run set-up measured on
+    the same hosts (:func:`pipetrain.setup.measure_setup`, a training step of ``step_rows`` samples as
+    the workers' shared work: a data-parallel worker's shard, a pipeline worker's minibatch)."""
+    profile = profile_here(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))
+    data = peer.spec.dataset(cfg.batch_size, seed=peer.seed + 1)
+    with torch_threads(cfg.threads):  # as pipetrain's workers build their minibatches from the dataset
+        profile.inputs_s, profile.targets_s, profile.both_s = time_batching(data, cfg.batch_size)
+    rows = peer.spec.dataset(step_rows, seed=peer.seed + 1)[:]
+    profile.setup = measure_setup(cfg.workers, cfg.threads, model_step(peer.build(), tuple(rows), peer.spec.loss_fn),
+                                  launch=launch, ring_bytes=profile.parameter_bytes, ring_cpu=ring_cpu)
+    return profile
+
+
 def choose_auto(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: float | None,
                 log: Callable[[str], None]) -> Choice:
     """What ``strategy="auto"`` picks for this run, from the inputs it has when it starts: the model
     profiled here on the first minibatch (the workers' thread count and SGD), building that minibatch
     from the dataset timed (:func:`pipetrain.profiling.time_batching`), the run set-up measured on
-    the same hosts (:func:`pipetrain.setup.measure_setup`, one training step of a worker's shard as
-    the shared work) and the link at its measured rate (one machine on loopback). Every candidate a run
+    the same hosts (:func:`profile_with_setup`, one training step of a worker's shard as the shared
+    work) and the link at its measured rate (one machine on loopback). Every candidate a run
     system measures is predicted, codecs included (``allow_compression``)."""
-    profile = profile_here(cfg, peer, cfg.batch_size, optimizer=functools.partial(torch.optim.SGD, lr=peer.lr))
-    data = peer.spec.dataset(cfg.batch_size, seed=peer.seed + 1)
-    with torch_threads(cfg.threads):  # as pipetrain's workers build their minibatches from the dataset
-        profile.inputs_s, profile.targets_s, profile.both_s = time_batching(data, cfg.batch_size)
-    shard = peer.spec.dataset(cfg.batch_size // cfg.workers, seed=peer.seed + 1)[:]
-    profile.setup = measure_setup(cfg.workers, cfg.threads, model_step(peer.build(), tuple(shard), peer.spec.loss_fn),
-                                  launch=launch, ring_bytes=profile.parameter_bytes)
-    log(f"auto: set-up {profile.setup.describe()}")
+    profile = profile_with_setup(cfg, peer, launch, cfg.batch_size // cfg.workers)
+    log(f"auto: set-up {profile.setup.describe() if profile.setup else None}")
     names = [n for n in CANDIDATES if AUTO_SYSTEM.get(n, n) in cfg.systems]
     choice = choose_strategy(profile, cfg.workers, None if link_bps is None else link_bps / 8,
                              batch_size=cfg.batch_size, one_machine=link_bps is None, allow_compression=True,

@@ -31,9 +31,11 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
     Layer k runs alone, as ``LayeredModel(model).stage(k, k)``, on what layer k - 1 returned, so its
     times are what a stage holding it would spend. Times are medians of ``repeats`` runs after
     ``warmup`` runs. A layer's backward is seeded with ones for each output (or, for the last layer,
-    starts from ``loss_fn``) and computes the gradients of its parameters and, after layer 0, of its
-    inputs, as a pipeline stage must send those back. Its ``weight_backward_s`` is that backward less
-    one of the inputs' gradients alone (all of it at layer 0, none for a layer without parameters):
+    starts from ``loss_fn``) and computes the gradients of its parameters and, once a layer before it
+    trains, of its inputs, as a pipeline stage must send those back (before that, as in the input stage,
+    no backward reaches them: a ``Flatten`` then the first ``Linear`` never compute the data's gradient).
+    Its ``weight_backward_s`` is that backward less one of the inputs' gradients alone (all of it where
+    no input gradient is computed, none for a layer without parameters):
     what a split backward (``zero-bubble``'s ``W``) leaves for later. The model's buffers (e.g. batch-norm
     statistics) are restored afterwards and no ``.grad`` is touched.
 
@@ -109,13 +111,16 @@ def profile_model(model: nn.Module, sample_batch: Any, loss_fn: Callable[[Any, A
         limit = dynamo.patch(recompile_limit=4 * len(layers))
     try:
         with limit:
+            trains_before = False  # whether a layer before k trains: else no backward needs k's input gradient
             for k in range(len(layers)):
                 last = loss_fn is not None and k == len(layers) - 1
                 head = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
                 # the stage lives in this call alone: it is let go before the next layer's is built
                 layer, value, compiling_s = _profile_layer(layer_stage(layers, k, k, source, inputs[0].device),
-                                                           layers.labels[k], value, k > 0, head, runs, slow, steps)
+                                                           layers.labels[k], value, trains_before, head, runs, slow,
+                                                           steps)
                 measured.append(layer)
+                trains_before = trains_before or layer.gradient_bytes > 0
                 compile_s += compiling_s
     finally:
         with torch.no_grad():
