@@ -16,6 +16,7 @@ from pipetrain.planning.result import Plan
 from pipetrain.profiling import Profile
 from pipetrain.schedule import Schedule
 from pipetrain.schedule.actions import UPDATE
+from pipetrain.schedule.generators import noam
 from pipetrain.schedule.kinds import PipeDream, PipelineSchedule
 from pipetrain.simresult import SimResult
 from pipetrain.simulate import Link, simulate
@@ -31,11 +32,13 @@ def simulate_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
 
 
 def window_minibatches(replicas: Sequence[int], minibatches: int = 32) -> int:
-    """Minibatches a steady-state window of a plan simulates: at least ``minibatches``, and ten rounds of its
-    most replicated stage beside six per stage, whatever the other stages' counts: the first half fills
-    the pipeline and lets its rounds settle, :func:`steady_rate` measures at least four rounds of the second
-    (see docs/simulator.md, steady state)."""
-    return max(minibatches, 10 * max(replicas) + 6 * len(replicas))
+    """Minibatches a steady-state window of a plan simulates: at least ``minibatches``, ten rounds of its
+    most replicated stage beside six per stage, whatever the other stages' counts, and four times the
+    minibatches the input stage keeps in flight (NOAM per replica, PipeDream §3.3): the first half fills
+    the pipeline and lets its rounds and queues settle (a deep plan of mixed counts runs fast until its
+    queues fill, over about twice its minibatches in flight), :func:`steady_rate` measures at least four
+    rounds of the second (see docs/simulator.md, steady state)."""
+    return max(minibatches, 10 * max(replicas) + 6 * len(replicas), 4 * noam(replicas) * replicas[0])
 
 
 def steady_rate(schedule: Schedule, sim: SimResult) -> float:
