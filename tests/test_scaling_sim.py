@@ -94,6 +94,24 @@ def test_a_window_of_any_length_gives_the_steady_rate_of_whole_rounds(replicas):
     assert rates[0] == pytest.approx(rates[1], rel=0.02)
 
 
+def test_stages_whose_counts_beat_are_measured_over_whole_common_periods():
+    """Replicas 9, 8 and 10 between two single stages repeat their pattern every 360 minibatches, with
+    fast and slow stretches: ten rounds of 10 and six per stage (130 minibatches) read 0.534/s, 8% fast.
+    The window spans two common periods beside its end margin, and reads what a window four times as long
+    reads."""
+    replicas = [1, 9, 8, 10, 1]
+    profile = layers((0.1, 0.2), (0.9, 1.8), (0.8, 1.6), (1.0, 2.0), (0.1, 0.2), nbytes=100)
+    syncs = [0.3 * r if r > 1 else 0.0 for r in replicas]
+    window = window_minibatches(replicas)
+    assert window >= 2 * 360
+
+    def rate(n: int) -> float:
+        s = PipeDream().window(replicas, n)
+        return steady_rate(s, simulate(s, profile, list(range(5)), Link(1000.0), update_s=0.0, sync_s=syncs))
+    assert rate(window) == pytest.approx(rate(4 * window), rel=1e-6)
+    assert rate(130) > 1.07 * rate(window)
+
+
 def test_a_plan_simulates_in_a_window_whatever_its_counts():
     """Replicas 37, 55 and 26 need 52910 minibatches for whole rounds; the window takes four times the
     4 x 37 minibatches the input stage keeps in flight (more than 10 rounds of 55 and 6 per stage)."""

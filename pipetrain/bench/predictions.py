@@ -54,14 +54,15 @@ def choose_auto(cfg: SuiteConfig, peer: PeerConfig, launch: Launcher, link_bps: 
     profiled here on the first minibatch (the workers' thread count and SGD), building that minibatch
     from the dataset timed (:func:`pipetrain.profiling.time_batching`), the run set-up measured on
     the same hosts (:func:`profile_with_setup`, one training step of a worker's shard as the shared
-    work) and the link at its measured rate (one machine on loopback). Every candidate a run
+    work) and the link at its measured rate (one machine on loopback); the pipeline on every host, as
+    its run takes them all. Every candidate a run
     system measures is predicted, codecs included (``allow_compression``)."""
     profile = profile_with_setup(cfg, peer, launch, cfg.batch_size // cfg.workers)
     log(f"auto: set-up {profile.setup.describe() if profile.setup else None}")
     names = [n for n in CANDIDATES if AUTO_SYSTEM.get(n, n) in cfg.systems]
     choice = choose_strategy(profile, cfg.workers, None if link_bps is None else link_bps / 8,
                              batch_size=cfg.batch_size, one_machine=link_bps is None, allow_compression=True,
-                             strategies=names)
+                             strategies=names, every_worker=True)
     log(f"auto:\n{choice.table()}\n{choice.reason}")
     return choice
 

@@ -31,22 +31,41 @@ def simulate_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
     return simulate(schedule.build(chosen.replicas, count), profile, chosen.boundaries, link, batch_size), count
 
 
+WHOLE_PERIOD_MAX = 512
+"""The longest pattern of rounds (the least common multiple of a plan's replica counts) whose whole
+periods a steady-state window spans: stages of co-prime counts (8, 9 and 10 replicas) beat against each
+other, fast and slow stretches alternating over their common period."""
+
+
 def window_minibatches(replicas: Sequence[int], minibatches: int = 32) -> int:
     """Minibatches a steady-state window of a plan simulates: at least ``minibatches``, ten rounds of its
-    most replicated stage beside six per stage, whatever the other stages' counts, and four times the
-    minibatches the input stage keeps in flight (NOAM per replica, PipeDream §3.3): the first half fills
+    most replicated stage beside six per stage, four times the minibatches the input stage keeps in flight
+    (NOAM per replica, PipeDream §3.3), and, where the replica counts' common period is at most
+    :data:`WHOLE_PERIOD_MAX`, two such periods beside :func:`steady_rate`'s margin: the first half fills
     the pipeline and lets its rounds and queues settle (a deep plan of mixed counts runs fast until its
-    queues fill, over about twice its minibatches in flight), :func:`steady_rate` measures at least four
-    rounds of the second (see docs/simulator.md, steady state)."""
-    return max(minibatches, 10 * max(replicas) + 6 * len(replicas), 4 * noam(replicas) * replicas[0])
+    queues fill, over about twice its minibatches in flight), :func:`steady_rate` measures whole periods
+    of the second, or at least four rounds (see docs/simulator.md, steady state)."""
+    count = max(minibatches, 10 * max(replicas) + 6 * len(replicas), 4 * noam(replicas) * replicas[0])
+    period = math.lcm(*replicas)
+    if period <= WHOLE_PERIOD_MAX:
+        count = max(count, 2 * (period + _end_margin(replicas, noam(replicas))) + 2)
+    return count
+
+
+def _end_margin(replicas: Sequence[int], noam_count: int) -> int:
+    """Minibatches :func:`steady_rate` leaves out before a window's end: its drain begins once the input
+    stage admits no more (its minibatches in flight before the end), and a round of the most replicated
+    stage and two per stage."""
+    return max(max(replicas) + 2 * len(replicas), noam_count * replicas[0])
 
 
 def steady_rate(schedule: Schedule, sim: SimResult) -> float:
     """Minibatches/s of ``sim`` (a run of ``schedule``, e.g. its :meth:`~PipelineSchedule.window`) in its
-    steady state: over whole rounds of the output stage from the middle of its minibatches to a round of
-    the most replicated stage and two per stage before the end, as many minibatches as whole rounds of the
-    most replicated stage (and of NOAM, the input stage's cycle) take where they fit, since the output
-    stage's steps come in their bursts; each round ended by the last of its replicas' steps. The fill before and the drain and unsynced partial rounds
+    steady state: over whole rounds of the output stage from the middle of its minibatches to the margin
+    before the end that :func:`_end_margin` gives, as many minibatches as whole periods of every stage's
+    rounds (with NOAM, the input stage's cycle, or without), else whole rounds of the most replicated stage
+    (with NOAM or without), take where they fit, since the output stage's steps come in their bursts and
+    stages of different counts beat; each round ended by the last of its replicas' steps. The fill before and the drain and unsynced partial rounds
     after are left out, so the window's count need not be a multiple of any stage's replicas."""
     last = schedule.num_stages - 1
     r = schedule.replicas[last]
@@ -57,8 +76,9 @@ def steady_rate(schedule: Schedule, sim: SimResult) -> float:
             if a.kind == UPDATE:
                 done[a.mb] = end
     count, most = len(done), max(schedule.replicas)
-    k1, k2 = -(-count // (2 * r)), (count - most - 2 * schedule.num_stages) // r
-    for period in (math.lcm(most, schedule.noam), most):  # whole periods of the pattern, where they fit
+    k1, k2 = -(-count // (2 * r)), (count - _end_margin(schedule.replicas, schedule.noam)) // r
+    every = math.lcm(*schedule.replicas)
+    for period in (math.lcm(every, schedule.noam), every, math.lcm(most, schedule.noam), most):  # where they fit
         if (k2 - k1) * r >= period:
             k2 -= (k2 - k1) * r % period // r
             break
