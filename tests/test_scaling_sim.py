@@ -14,7 +14,9 @@ from pipetrain.cli.planning import describe
 from pipetrain.costs import boundary_time, stage_time
 from pipetrain.planning import parse_bandwidth, plan
 from pipetrain.planning.result import Plan, StagePlan
-from pipetrain.predict.pipeline import best_plan, halvings, simulate_steady, steady_rate, window_minibatches
+from pipetrain.predict.pipeline import (
+    best_plan, halvings, simulate_plan, simulate_steady, steady_rate, window_minibatches,
+)
 from pipetrain.profiling import LayerProfile, Profile
 from pipetrain.schedule.kinds import PipeDream
 from pipetrain.simulate import Link, simulate
@@ -120,6 +122,8 @@ def test_a_plan_simulates_in_a_window_whatever_its_counts():
     assert window_minibatches(chosen.replicas) == 592
     sim = simulate_steady(profile, chosen, Link(1e5))
     assert sim.minibatches_per_s > 0
+    epoch, count = simulate_plan(profile, chosen, Link(1e5), 1, minibatches=16)  # as schedule="auto" prices
+    assert count == 592 and epoch.minibatches_per_s > 0
 
 
 def test_a_plan_for_more_workers_that_runs_slower_gives_way_to_fewer():

@@ -25,10 +25,17 @@ from pipetrain.simulate import Link, simulate
 def simulate_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int,
                   schedule: PipelineSchedule = PipeDream(), minibatches: int = 32) -> tuple[SimResult, int]:
     """``chosen`` run by ``schedule`` over ``link`` in the simulator for about ``minibatches``, rounded up
-    so every replica joins every sync: the result and the minibatches simulated."""
+    so every replica joins every sync: the result and the minibatches simulated. Where whole rounds of
+    every stage would take more than :data:`WHOLE_PERIOD_MAX` minibatches (37, 55 and 26 replicas: 52910),
+    a window as long as :func:`window_minibatches` says, whose partial last rounds update unsynced."""
     every = math.lcm(*chosen.replicas)
-    count = -(-minibatches // every) * every
-    return simulate(schedule.build(chosen.replicas, count), profile, chosen.boundaries, link, batch_size), count
+    if every <= WHOLE_PERIOD_MAX:
+        count = -(-minibatches // every) * every
+        built = schedule.build(chosen.replicas, count)
+    else:
+        count = window_minibatches(chosen.replicas, minibatches)
+        built = schedule.window(chosen.replicas, count)
+    return simulate(built, profile, chosen.boundaries, link, batch_size), count
 
 
 WHOLE_PERIOD_MAX = 512
