@@ -87,6 +87,7 @@ def test_strategy_auto_in_a_job_prices_the_plans_for_every_worker():
     assert chosen.options["fewer_workers_faster"]["config"] == "42-1"
     assert kept.predictions["pipeline"] < shown.samples_per_s
     assert "one for 43 workers (42-1) simulates faster" in kept.table()
+    assert "plan 42-1 on 43 of the 64 workers" in choose_strategy(profile, 64, "10Gbit", **asked).table()
 
 
 def heavy_weights() -> Profile:

@@ -76,7 +76,9 @@ def _how(options: dict[str, Any]) -> str:
     if "stages" in options:
         chosen = options["stages"]
         fewer = chosen.options.get("fewer_workers_faster")
-        return f"plan {chosen.config}, NOAM {chosen.noam}" + (
+        asked = chosen.options.get("asked_workers", chosen.workers)
+        used = f" on {chosen.workers} of the {asked} workers" if chosen.workers < asked else ""
+        return f"plan {chosen.config}{used}, NOAM {chosen.noam}" + (
             f"; one for {fewer['workers']} workers ({fewer['config']}) simulates faster" if fewer else "")
     return ", ".join(f"{k} {v}" for k, v in options.items() if k != "strategy") or "synchronous"
 
