@@ -415,11 +415,11 @@ def _solve(profile: Profile, M: int, topo: Topology, straight: bool, memory: _Me
     for k in range(len(positions) - 2, -1, -1):
         i, after = int(positions[k]), positions[k + 1:]
         js = after[None, None, :]
-        part = sums.params[js] - sums.params[i]
         T = sums.stage_s(i, js, r, bw_stage, allreduce, overlap)
         if ties:
             T = _with_ties(T, ties, i, js, r, tie_bandwidth)
         if memory is not None:
+            part = sums.params[js] - sums.params[i]
             stash = cut[i] + acts[js] - acts[i]  # the stage's input and every layer's output
             T = np.where(memory.fits(part, grads[js] - grads[i], states[js] - states[i], float(cut[i]), stash, r,
                                      held, float(profile.baseline_bytes)), T, INF)

@@ -52,10 +52,11 @@ def window_minibatches(replicas: Sequence[int], minibatches: int = 32) -> int:
     the pipeline and lets its rounds and queues settle (a deep plan of mixed counts runs fast until its
     queues fill, over about twice its minibatches in flight), :func:`steady_rate` measures whole periods
     of the second, or at least four rounds (see docs/simulator.md, steady state)."""
-    count = max(minibatches, 10 * max(replicas) + 6 * len(replicas), 4 * noam(replicas) * replicas[0])
+    cycle = noam(replicas)
+    count = max(minibatches, 10 * max(replicas) + 6 * len(replicas), 4 * cycle * replicas[0])
     period = math.lcm(*replicas)
     if period <= WHOLE_PERIOD_MAX:
-        count = max(count, 2 * (period + _end_margin(replicas, noam(replicas))) + 2)
+        count = max(count, 2 * (period + _end_margin(replicas, cycle)) + 2)
     return count
 
 
@@ -182,29 +183,29 @@ def best_plan(profile: Profile, chosen: Plan, link: Link, batch_size: int | None
     With ``every_worker`` only the plans for all of ``chosen``'s workers are taken, as a job started on
     them runs; where a plan for fewer simulates faster, ``options["fewer_workers_faster"]`` names it
     (``workers``, ``config``, ``samples_per_s``) so that the job can say so."""
-    if every_worker:
-        fastest = best_plan(profile, chosen, link, batch_size, minibatches, schedule)
-        if fastest.workers == chosen.workers:
-            return fastest
-        mine = replace(chosen, alternatives=[p for p in chosen.alternatives if p.workers == chosen.workers])
-        taken = best_plan(profile, mine, link, batch_size, minibatches, schedule)
-        taken.options["fewer_workers_faster"] = {"workers": fastest.workers, "config": fastest.config,
-                                                 "samples_per_s": fastest.samples_per_s}
-        return taken
     unique: dict[tuple[int, str, tuple[int, ...]], Plan] = {}
     for p in [chosen, *chosen.alternatives]:  # of two models' same plan, the first's (the paper's) figures
         unique.setdefault((p.workers, p.config, tuple(p.boundaries)), p)
     plans = list(unique.values())
     plans.sort(key=lambda p: (-_bound(p), p.workers))
+    mine = [not every_worker or p.workers == chosen.workers for p in plans]  # the plans that may be taken
     rates: list[float] = []
-    for p in plans:  # a plan whose bound is below the best rate found cannot win: not simulated (rate 0)
-        top = max(rates, default=0.0)
+    for k, p in enumerate(plans):  # a plan whose bound is below the best rate it could beat cannot win: rate 0
+        top = max((r for i, r in enumerate(rates) if mine[i] or not mine[k]), default=0.0)
         rates.append(simulate_steady(profile, p, link, batch_size, schedule, minibatches).minibatches_per_s
                      if _bound(p) * BOUND_SLACK >= top * (1 - 1e-9) else 0.0)
-    top = max(rates)
-    best = min((i for i, r in enumerate(rates) if r >= top * (1 - 1e-9)), key=lambda i: plans[i].workers)
+
+    def fastest(among: list[int]) -> int:
+        """Of the plans ``among``, the fastest; of equally fast ones the fewest workers."""
+        top = max(rates[i] for i in among)
+        return min((i for i in among if rates[i] >= top * (1 - 1e-9)), key=lambda i: plans[i].workers)
+    best = fastest([i for i in range(len(plans)) if mine[i]])
     batch = batch_size or profile.batch_size
-    priced = replace(plans[best], samples_per_s=rates[best] * batch if batch > 0 else 0.0,
-                     bound=profile.setup is None, options={**plans[best].options, "batch_size": batch})
-    return replace(priced, options={**priced.options, "asked_workers": chosen.workers,
-                                    "simulated": {f"{p.workers}:{p.config}": r for p, r in zip(plans, rates)}})
+    options = {**plans[best].options, "batch_size": batch, "asked_workers": chosen.workers,
+               "simulated": {f"{p.workers}:{p.config}": r for p, r in zip(plans, rates)}}
+    overall = fastest(list(range(len(plans))))
+    if plans[overall].workers < plans[best].workers:  # only where every_worker keeps the faster one out
+        options["fewer_workers_faster"] = {"workers": plans[overall].workers, "config": plans[overall].config,
+                                           "samples_per_s": rates[overall] * batch if batch > 0 else 0.0}
+    return replace(plans[best], samples_per_s=rates[best] * batch if batch > 0 else 0.0,
+                   bound=profile.setup is None, options=options)
