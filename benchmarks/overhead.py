@@ -7,18 +7,19 @@ outside its actions, read off the trace.
 
 Ratios: the same model, data (a ``TensorDataset``), SGD and torch threads (``--threads``, default 1),
 the same number of minibatches, trained by a plain loop (``zero_grad``, forward, loss, ``backward``,
-``step`` over a shuffled ``TensorDataset``, in this process) and by ``pipetrain.train`` on one worker:
-a one-stage pipeline (``stages=[0]``) under ``pipedream`` and each flush schedule that runs one stage
-(``interleaved-1f1b`` needs 2 workers), and ``ddp``, ``pipe-sgd`` and ``cgdp`` with ``workers=1``. Each
-run's rate is samples/s over the updates after the first ``--warmup``, from the update timestamps
-(``result.history``; the plain loop's are taken the same way), and also at its median time between
-two updates (less moved by other processes). Every configuration runs once per round, interleaved,
-and the plain loop once more at each round's end: the ratio of the two plain loops is how far
-identical runs differ here. Tables give the median of ``--repeats`` rounds and ratios of medians. The
-plain loop runs with the allocator setting the workers use
-(:func:`pipetrain.runtime.launch.keep_freed_memory`), so a ratio counts pipetrain's work, not malloc's.
-Models: ``mlp`` (784-1024-1024-10, batch 64) and ``vgg`` (:func:`pipetrain.zoo.vgg_like`, 32x32
-images, batch 8).
+``step`` over a shuffled ``TensorDataset``, in this process) and by ``pipetrain.train`` on one worker: a
+one-stage pipeline (``stages=[0]``) under ``pipedream`` and each flush schedule that runs one stage
+(``interleaved-1f1b`` needs 2 workers), and ``ddp``, ``pipe-sgd`` and ``cgdp`` with ``workers=1``.
+``2bw`` is also set beside a plain loop with its update rule (:func:`two_bw_step`), whose weight copy any
+implementation pays: that ratio is its runtime's overhead. Each run's rate is samples/s over the updates
+after the first ``--warmup``, from the update timestamps (``result.history``; the plain loop's are taken
+the same way), and also at its median time between two updates (less moved by other processes). Every
+configuration runs once per round, interleaved, and the plain loop once more at each round's end: the
+ratio of the two plain loops is how far identical runs differ here. Tables give the median of
+``--repeats`` rounds and ratios of medians. The plain loop runs with the allocator setting the workers
+use (:func:`pipetrain.runtime.launch.keep_freed_memory`), so a ratio counts pipetrain's work, not
+malloc's. Models: ``mlp`` (784-1024-1024-10, batch 64) and ``vgg`` (:func:`pipetrain.zoo.vgg_like`,
+32x32 images, batch 8).
 
 ``--outside``: a 2-stage MLP pipeline (``interleaved-1f1b``: 4 stages on 2 workers) under each schedule
 (the flush schedules at 4 microbatches), traced. Per worker, over the minibatches after the warm-up:
@@ -59,6 +60,9 @@ RUNS: dict[str, dict[str, Any]] = {
     **{f"pipeline {s}, stages=[0]": dict(stages=[0], schedule=s) for s in ("gpipe", "1f1b-flush", "zero-bubble", "2bw")},
     **{f"{s}, workers=1": dict(strategy=s, workers=1) for s in ("ddp", "pipe-sgd", "cgdp")},
 }
+PLAIN_2BW = "plain loop, 2BW's rule"
+"""The reference for ``2bw``, whose update rule (each minibatch at the weights before the last update)
+needs a second copy of the weights whatever runs it."""
 OUTSIDE: dict[str, dict[str, Any]] = {"pipedream": dict(stages=[0, 2])}
 OUTSIDE.update({s: dict(stages=[0, 2], schedule=schedule_of(s, 4)) for s in ("1f1b-flush", "gpipe", "zero-bubble", "2bw")})
 OUTSIDE["interleaved-1f1b"] = dict(stages=[0, 1, 2, 3], schedule=Interleaved1F1B(workers=2, microbatches=4))
@@ -91,23 +95,56 @@ def typical_rate(times: list[float], warmup: int, batch: int) -> float:
     return batch / statistics.median(b - a for a, b in zip(kept, kept[1:]))
 
 
-def plain(name: str, data: torch.utils.data.TensorDataset, threads: int) -> list[float]:
-    """A plain PyTorch loop's update timestamps."""
+Step = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def timed_loop(name: str, data: torch.utils.data.TensorDataset, threads: int, make_step: Callable[[], Step]) -> list[float]:
+    """The update timestamps of a loop over ``data``'s shuffled minibatches, each taken by the step
+    ``make_step`` builds (with ``threads`` torch threads)."""
     batch = MODELS[name][2]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    net = model(name)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    step = make_step()
     x, y = data.tensors
     order, times = torch.randperm(len(x)), []
     for i in range(len(x) // batch):
         idx = order[i * batch:(i + 1) * batch]
-        opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-        opt.step()
+        step(x[idx], y[idx])
         times.append(time.perf_counter())
     torch.set_num_threads(before)
     return times
+
+
+def plain_step(name: str) -> Step:
+    """A plain PyTorch step: ``zero_grad``, forward, loss, ``backward``, ``step``."""
+    net = model(name)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return step
+
+
+def two_bw_step(name: str) -> Step:
+    """A plain step with PipeDream-2BW's update rule, W(t+1) = W(t) - lr * grad f(W(t-1)): forward and
+    backward on a second copy of the model holding the weights before the last update, whose gradient
+    the live model's optimizer applies after that copy takes the live weights. What any implementation
+    of the rule does on one worker, so 2bw's ratio to it is the runtime's overhead alone."""
+    net, old = model(name), model(name)
+    live, held = list(net.parameters()), list(old.parameters())
+    opt = torch.optim.SGD(live, lr=0.01)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        old.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(old(x), y).backward()
+        for p, q in zip(live, held):
+            p.grad = q.grad
+        with torch.no_grad():
+            torch._foreach_copy_(held, live)
+        opt.step()
+    return step
 
 
 def train(name: str, data: torch.utils.data.TensorDataset, threads: int, **layout: Any) -> pipetrain.TrainResult:
@@ -119,7 +156,9 @@ def train(name: str, data: torch.utils.data.TensorDataset, threads: int, **layou
 def ratios(name: str, repeats: int, warmup: int, threads: int) -> None:
     keep_freed_memory()  # as every worker does: see the module's docstring
     data, batch = dataset(name, STEPS[name]), MODELS[name][2]
-    runs: dict[str, Callable[[], list[float]]] = {"plain PyTorch loop": lambda: plain(name, data, threads)}
+    runs: dict[str, Callable[[], list[float]]] = {
+        "plain PyTorch loop": lambda: timed_loop(name, data, threads, lambda: plain_step(name)),
+        PLAIN_2BW: lambda: timed_loop(name, data, threads, lambda: two_bw_step(name))}
     for label, layout in RUNS.items():
         runs[label] = functools.partial(lambda lay: [h["time"] for h in train(name, data, threads, **lay).history],
                                         layout)
@@ -135,12 +174,13 @@ def ratios(name: str, repeats: int, warmup: int, threads: int) -> None:
     base, typical_base = (statistics.median(r["plain PyTorch loop"]) for r in (rates, typical))
     print(f"{name}: batch {batch}, {STEPS[name]} minibatches, rate over the last {STEPS[name] - warmup}, "
           f"{threads} torch thread(s)")
-    print(f"| run | samples/s (median of {repeats}) | x plain loop | runs | at the median step | x plain loop |\n"
-          "|---|---|---|---|---|---|")
+    print(f"| run | samples/s (median of {repeats}) | x plain loop | x the loop of its rule | runs | at the median "
+          "step | x plain loop |\n|---|---|---|---|---|---|---|")
     for label, values in rates.items():
         m, t = statistics.median(values), statistics.median(typical[label])
-        print(f"| {label} | {m:.0f} | {m / base:.3f} | {', '.join(f'{v:.0f}' for v in values)} | {t:.0f} | "
-              f"{t / typical_base:.3f} |")
+        rule = statistics.median(rates[PLAIN_2BW if "2bw" in label else "plain PyTorch loop"])
+        print(f"| {label} | {m:.0f} | {m / base:.3f} | {m / rule:.3f} | {', '.join(f'{v:.0f}' for v in values)} | "
+              f"{t:.0f} | {t / typical_base:.3f} |")
 
 
 def outside(repeats: int, warmup: int, threads: int) -> None:

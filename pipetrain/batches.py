@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.utils.data import TensorDataset, default_collate
 
 from pipetrain.streams import head
+from pipetrain.weightswap import call_with
 
 TargetKey = str | Sequence[str]
 """The entry of a dictionary item that is the target, or several (the target is then their tuple)."""
@@ -101,11 +101,11 @@ def first_inputs(dataset: Any, rows: int, target_key: TargetKey = DEFAULT_TARGET
 
 def call(module: nn.Module, x: Any, weights: dict[str, torch.Tensor] | None = None) -> Any:
     """``module`` on a minibatch's model input: ``module(**x)`` for :class:`KeywordInputs`, else
-    ``module(x)``; with ``weights``, through ``torch.func.functional_call`` on them."""
+    ``module(x)``; with ``weights`` in place of the tensors of those names (:func:`call_with`)."""
     keywords = isinstance(x, KeywordInputs)
     if weights is None:
         return module(**x) if keywords else module(x)
-    return functional_call(module, weights, (), dict(x)) if keywords else functional_call(module, weights, (x,))
+    return call_with(module, weights, (), dict(x)) if keywords else call_with(module, weights, (x,))
 
 
 def microbatch(value: Any, micro: int | None, m: int) -> Any:

@@ -2,7 +2,8 @@
 
 [Note: what is compiled] The unit is the whole stage module a worker calls (for data parallelism the
 whole model), not each layer. Everything the runtime does around a forward works at the stage: weight
-versions and tied copies enter through ``torch.func.functional_call`` on the stage, recomputation
+versions and tied copies are swapped into the stage's parameter slots
+(:func:`pipetrain.weightswap.call_with`, as ``torch.func.functional_call`` swaps them), recomputation
 replays the stage, the split backward walks the stage's autograd graph. One graph per stage gives
 inductor the most to fuse and the fewest graph boundaries. torchtitan compiles each transformer block
 instead so that identical blocks share one compiled graph and per-block FSDP and checkpointing wrap
@@ -15,7 +16,7 @@ would wrap it under ``_orig_mod.``), and ``nn.Module.compile`` is no choice: dyn
 module whose class is torch's own, such as the ``nn.Sequential`` a stage of layers is.
 
 Weights are graph inputs, never constants: dynamo lifts a module's parameters into the graph's inputs, so
-a stashed weight version or tied copy swapped in by ``functional_call`` runs the same graph on its
+a stashed weight version or tied copy swapped in runs the same graph on its
 own tensors. Guards recompile a stage a bounded number of times: once when its weights are copies
 (plain tensors) rather than the live parameters (pipedream's stashing, 2bw), once for forwards
 without gradients (evaluation, recompute's first run), once where data parallelism meets a batch of

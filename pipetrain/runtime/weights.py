@@ -1,8 +1,8 @@
 """Which weights a minibatch's forward and backward use (PipeDream §3.4).
 
 A stage's *live* parameters are the ones the optimizer updates. A policy hands the forward of each
-minibatch a dict of weights to run with (via ``torch.func.functional_call``) and, after its backward,
-puts the gradient on the live parameters' ``.grad`` for the optimizer.
+minibatch a dict of weights to run with (swapped in by :func:`pipetrain.weightswap.call_with`) and,
+after its backward, puts the gradient on the live parameters' ``.grad`` for the optimizer.
 
 * ``Live`` (flush schedules): nothing is in flight across an update, so the live weights are used.
 * ``Stashing`` (``pipedream``): the forward uses the newest version; the version is stashed for that
