@@ -60,9 +60,11 @@ RUNS: dict[str, dict[str, Any]] = {
     **{f"pipeline {s}, stages=[0]": dict(stages=[0], schedule=s) for s in ("gpipe", "1f1b-flush", "zero-bubble", "2bw")},
     **{f"{s}, workers=1": dict(strategy=s, workers=1) for s in ("ddp", "pipe-sgd", "cgdp")},
 }
+PLAIN = "plain PyTorch loop"
 PLAIN_2BW = "plain loop, 2BW's rule"
-"""The reference for ``2bw``, whose update rule (each minibatch at the weights before the last update)
-needs a second copy of the weights whatever runs it."""
+RULE_OF = {"pipeline 2bw, stages=[0]": PLAIN_2BW}
+"""The loop of a run's own update rule where it is not the plain loop's: ``2bw`` runs each minibatch at
+the weights before the last update, which needs a second copy of the weights whatever runs it."""
 OUTSIDE: dict[str, dict[str, Any]] = {"pipedream": dict(stages=[0, 2])}
 OUTSIDE.update({s: dict(stages=[0, 2], schedule=schedule_of(s, 4)) for s in ("1f1b-flush", "gpipe", "zero-bubble", "2bw")})
 OUTSIDE["interleaved-1f1b"] = dict(stages=[0, 1, 2, 3], schedule=Interleaved1F1B(workers=2, microbatches=4))
@@ -157,13 +159,13 @@ def ratios(name: str, repeats: int, warmup: int, threads: int) -> None:
     keep_freed_memory()  # as every worker does: see the module's docstring
     data, batch = dataset(name, STEPS[name]), MODELS[name][2]
     runs: dict[str, Callable[[], list[float]]] = {
-        "plain PyTorch loop": lambda: timed_loop(name, data, threads, lambda: plain_step(name)),
+        PLAIN: lambda: timed_loop(name, data, threads, lambda: plain_step(name)),
         PLAIN_2BW: lambda: timed_loop(name, data, threads, lambda: two_bw_step(name))}
     for label, layout in RUNS.items():
         runs[label] = functools.partial(lambda lay: [h["time"] for h in train(name, data, threads, **lay).history],
                                         layout)
     # the same loop again, last in each round: how far two identical runs differ on this machine
-    runs["plain PyTorch loop, again"] = runs["plain PyTorch loop"]
+    runs[f"{PLAIN}, again"] = runs[PLAIN]
     rates: dict[str, list[float]] = {label: [] for label in runs}
     typical: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(repeats):  # interleaved: each configuration sees the same phases of the machine
@@ -171,14 +173,14 @@ def ratios(name: str, repeats: int, warmup: int, threads: int) -> None:
             times = run()
             rates[label].append(rate(times, warmup, batch))
             typical[label].append(typical_rate(times, warmup, batch))
-    base, typical_base = (statistics.median(r["plain PyTorch loop"]) for r in (rates, typical))
+    base, typical_base = (statistics.median(r[PLAIN]) for r in (rates, typical))
     print(f"{name}: batch {batch}, {STEPS[name]} minibatches, rate over the last {STEPS[name] - warmup}, "
           f"{threads} torch thread(s)")
     print(f"| run | samples/s (median of {repeats}) | x plain loop | x the loop of its rule | runs | at the median "
           "step | x plain loop |\n|---|---|---|---|---|---|---|")
     for label, values in rates.items():
         m, t = statistics.median(values), statistics.median(typical[label])
-        rule = statistics.median(rates[PLAIN_2BW if "2bw" in label else "plain PyTorch loop"])
+        rule = statistics.median(rates[RULE_OF.get(label, PLAIN)])
         print(f"| {label} | {m:.0f} | {m / base:.3f} | {m / rule:.3f} | {', '.join(f'{v:.0f}' for v in values)} | "
               f"{t:.0f} | {t / typical_base:.3f} |")
 
